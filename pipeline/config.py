@@ -1,0 +1,302 @@
+"""Run configuration: frozen dataclasses loaded from one TOML file, validated field by field.
+
+The run-defining part (model, data, inner and outer optimisers, sync policy, mode, learners,
+steps, seed) has a stable hash: every process of a distributed run must present the same hash.
+The `[engine]` section (virtual-clock speeds and failures of the in-process engine) is not
+run-defining and is left out of the hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+MODES = ("ddp", "sync-diloco", "decoupled")
+CODECS = ("fp32", "bf16", "int8", "int4")
+MERGES = ("rda", "mean")
+APPLIES = ("overwrite", "rebase")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range; names the field."""
+
+
+def _rng(lo: float | None = None, hi: float | None = None, choices: tuple | None = None) -> dict:
+    return {"lo": lo, "hi": hi, "choices": choices}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Byte-level decoder-only transformer."""
+
+    d_model: int = field(default=128, metadata=_rng(8, 4096))
+    n_layers: int = field(default=4, metadata=_rng(1, 64))
+    n_heads: int = field(default=4, metadata=_rng(1, 64))
+    seq_len: int = field(default=128, metadata=_rng(8, 8192))
+    mlp_ratio: int = field(default=4, metadata=_rng(1, 16))
+    vocab_size: int = field(default=256, metadata=_rng(256, 65536))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and how it is split."""
+
+    # "stdlib" (the running interpreter's standard library sources), a text file or folder,
+    # or a file ending in .bin/.u16 holding little-endian uint16 tokens.
+    source: str = "stdlib"
+    max_bytes: int = field(default=8_000_000, metadata=_rng(10_000, 10**11))
+    eval_fraction: float = field(default=0.02, metadata=_rng(0.001, 0.5))
+    eval_batches: int = field(default=8, metadata=_rng(1, 10_000))
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The learners' inner AdamW optimiser: warmup then cosine decay, global-norm clipping."""
+
+    lr: float = field(default=4e-4, metadata=_rng(1e-7, 1.0))
+    warmup_steps: int = field(default=50, metadata=_rng(0, 10**9))
+    min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))
+    b1: float = field(default=0.9, metadata=_rng(0.0, 0.9999))
+    b2: float = field(default=0.95, metadata=_rng(0.0, 0.99999))
+    weight_decay: float = field(default=0.1, metadata=_rng(0.0, 10.0))
+    clip: float = field(default=1.0, metadata=_rng(1e-6, 1e6))
+    batch_size: int = field(default=16, metadata=_rng(1, 65536))
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The syncer's outer optimiser: SGD with Nesterov momentum on the merged outer gradient."""
+
+    lr: float = field(default=0.7, metadata=_rng(1e-6, 10.0))
+    momentum: float = field(default=0.9, metadata=_rng(0.0, 0.9999))
+    nesterov: bool = True
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Fragments, schedule, quorum and grace, staleness and wire codecs."""
+
+    fragments: int = field(default=4, metadata=_rng(1, 1024))  # P
+    sync_every: int = field(default=100, metadata=_rng(1, 10**7))  # H, inner steps per fragment
+    overlap_steps: int = field(default=2, metadata=_rng(0, 10**6))  # tau
+    mix_alpha: float = field(default=0.0, metadata=_rng(0.0, 1.0))  # alpha
+    apply: str = field(default="overwrite", metadata=_rng(choices=APPLIES))
+    quorum: int = field(default=1, metadata=_rng(1, 100_000))  # K
+    grace_gamma: float = field(default=0.5, metadata=_rng(0.0, 100.0))
+    grace_max_s: float = field(default=30.0, metadata=_rng(0.0, 86_400.0))
+    max_staleness: int = field(default=4, metadata=_rng(0, 1_000_000))
+    codec_up: str = field(default="int4", metadata=_rng(choices=CODECS))
+    codec_down: str = field(default="bf16", metadata=_rng(choices=CODECS))
+    quant_block: int = field(default=64, metadata=_rng(2, 1 << 20))
+    merge: str = field(default="rda", metadata=_rng(choices=MERGES))
+    # Block at push + tau until the merged value arrives (sync-diloco always blocks; this flag
+    # makes decoupled runs deterministic for tests and equivalence checks).
+    strict: bool = False
+
+    @property
+    def delta_h(self) -> int:
+        """Inner steps between two consecutive fragment pushes of one learner."""
+        return max(1, round(self.sync_every / self.fragments))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Virtual clock of the in-process engine (not part of the run hash)."""
+
+    step_s: float = field(default=0.333, metadata=_rng(1e-6, 1e6))
+    # Per-learner speed factors (1.0 = step_s per step; 1/3 = three times slower); empty = all 1.
+    speeds: tuple[float, ...] = ()
+    # Failures as (learner, at_s, down_s) triples.
+    failures: tuple[tuple[int, float, float], ...] = ()
+    latency_s: float = field(default=0.01, metadata=_rng(0.0, 1e6))
+    bandwidth_bps: float = field(default=1e9, metadata=_rng(1.0, 1e15))
+    sync_s: float = field(default=0.02, metadata=_rng(0.0, 1e6))
+    eval_every: int = field(default=0, metadata=_rng(0, 10**9))  # 0: only first and last
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs. `mode`, `learners`, `steps` and `seed` are run-defining."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    sync: SyncConfig = SyncConfig()
+    engine: EngineConfig = EngineConfig()
+    mode: str = field(default="decoupled", metadata=_rng(choices=MODES))
+    learners: int = field(default=4, metadata=_rng(1, 100_000))
+    steps: int = field(default=1000, metadata=_rng(1, 10**9))
+    seed: int = field(default=0, metadata=_rng(0, 2**31 - 1))
+
+    def effective_sync(self) -> SyncConfig:
+        """The sync policy the mode implies: sync-diloco is P=1, K=M, no grace, blocking."""
+        if self.mode == "sync-diloco":
+            return replace(self.sync, fragments=1, quorum=self.learners, grace_max_s=0.0,
+                           overlap_steps=0, strict=True)
+        return self.sync
+
+    def run_hash(self) -> str:
+        """Stable sha256 over the run-defining fields (engine section excluded)."""
+        d = to_dict(self)
+        d.pop("engine")
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig,
+             "outer": OuterConfig, "sync": SyncConfig, "engine": EngineConfig}
+
+
+def _check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
+    """Coerce and range-check one value; raise ConfigError naming `path`."""
+    want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    meta = f.metadata or {}
+    if want == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if want == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    elif want == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        value = float(value)
+    elif want == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(choices)}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and hi is not None and not (lo <= value <= hi):
+        raise ConfigError(f"{path}: {value!r} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _engine_tuple(path: str, name: str, value: Any) -> tuple:
+    if name == "speeds":
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1000 for v in value
+        ):
+            raise ConfigError(f"{path}: expected a list of speed factors in (0, 1000]")
+        return tuple(float(v) for v in value)
+    out = []
+    for item in value if isinstance(value, list | tuple) else [None]:
+        if not (isinstance(item, list | tuple) and len(item) == 3):
+            raise ConfigError(f"{path}: expected a list of [learner, at_s, down_s] triples")
+        learner, at_s, down_s = item
+        if not isinstance(learner, int) or learner < 0 or at_s < 0 or down_s <= 0:
+            raise ConfigError(f"{path}: bad failure {item!r} (learner >= 0, at_s >= 0, down_s > 0)")
+        out.append((int(learner), float(at_s), float(down_s)))
+    return tuple(out)
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown field (known: {', '.join(known)})")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}"
+        if cls is EngineConfig and name in ("speeds", "failures"):
+            kwargs[name] = _engine_tuple(path, name, value)
+        else:
+            kwargs[name] = _check_value(path, known[name], value)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Build and validate a RunConfig from a nested dict (the TOML layout)."""
+    top = {f.name: f for f in fields(RunConfig)}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        if name in _SECTIONS:
+            kwargs[name] = _build(_SECTIONS[name], value, name)
+        elif name in top:
+            kwargs[name] = _check_value(name, top[name], value)
+        else:
+            raise ConfigError(f"{name}: unknown field (known: {', '.join(top)})")
+    cfg = RunConfig(**kwargs)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks; raise ConfigError naming the field."""
+    for section in _SECTIONS:
+        obj = getattr(cfg, section)
+        for f in fields(obj):
+            if not (section == "engine" and f.name in ("speeds", "failures")):
+                _check_value(f"{section}.{f.name}", f, getattr(obj, f.name))
+    for name in ("mode", "learners", "steps", "seed"):
+        _check_value(name, next(f for f in fields(RunConfig) if f.name == name), getattr(cfg, name))
+    if cfg.model.d_model % cfg.model.n_heads:
+        raise ConfigError(f"model.n_heads: {cfg.model.n_heads} must divide model.d_model "
+                          f"({cfg.model.d_model})")
+    if cfg.sync.quorum > cfg.learners:
+        raise ConfigError(f"sync.quorum: {cfg.sync.quorum} is out of range [1, learners="
+                          f"{cfg.learners}]")
+    if cfg.engine.speeds and len(cfg.engine.speeds) != cfg.learners:
+        raise ConfigError(f"engine.speeds: has {len(cfg.engine.speeds)} entries, expected "
+                          f"learners={cfg.learners}")
+    for learner, _, _ in cfg.engine.failures:
+        if learner >= cfg.learners:
+            raise ConfigError(f"engine.failures: learner {learner} is out of range "
+                              f"[0, {cfg.learners - 1}]")
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """Nested plain dict (TOML layout), tuples as lists."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def load(path: str | Path) -> RunConfig:
+    """Load and validate a TOML configuration file."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    return from_dict(data)
+
+
+def override(cfg: RunConfig, **updates: Any) -> RunConfig:
+    """Apply dotted-path overrides (e.g. ``{"sync.fragments": 2, "steps": 10}``) and validate."""
+    d = to_dict(cfg)
+    for key, value in updates.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return from_dict(d)
+
+
+def dumps_toml(cfg: RunConfig) -> str:
+    """Serialise to TOML (the subset this configuration uses)."""
+    d = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    for section, table in d.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v)

@@ -1,0 +1,169 @@
+"""The learner's state machine: what to push after a step, when to apply a merged value.
+
+Per fragment p the learner keeps the base value it last received Θ̃_p (at base_version[p]),
+step and token counters since then, the contribution in flight, and a received value waiting
+to be applied. After each inner step `after_step` returns the pushes that are due; `on_global`
+takes a merged value, which is applied τ steps after the push (or at once if it arrives later).
+No I/O and no clock: the in-process engine and ``workers/learner.py`` drive it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from pipeline import quant
+from pipeline.config import SyncConfig
+from pipeline.fragments import due_fragment
+from pipeline.model import Params
+
+
+@dataclass
+class Push:
+    """A contribution to send: δ = base − θ of one fragment, quantised for the up link."""
+
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    payload: dict[str, quant.QTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(quant.payload_nbytes(q) for q in self.payload.values())
+
+
+@dataclass
+class _InFlight:
+    step: int
+    base_version: int
+    theta_at_push: dict[str, np.ndarray] | None  # kept only for the "rebase" apply rule
+
+
+class LearnerCore:
+    """Sync bookkeeping of one learner around its parameters.
+
+    Args:
+        learner_id: the learner's name.
+        fragments: tensor names of each fragment.
+        sync_cfg: the (effective) sync policy.
+        base: the global value of every tensor the learner starts from (already decoded).
+        base_versions: the version of each fragment's base.
+    """
+
+    def __init__(self, learner_id: str, fragments: list[list[str]], sync_cfg: SyncConfig,
+                 base: Mapping[str, np.ndarray], base_versions: list[int]):
+        self.id = learner_id
+        self.fragments = fragments
+        self.cfg = sync_cfg
+        P = len(fragments)
+        self.base = [{n: np.asarray(base[n], np.float32) for n in f} for f in fragments]
+        self.base_version = list(base_versions)
+        self.steps = [0] * P
+        self.tokens = [0] * P
+        self.inflight: list[_InFlight | None] = [None] * P
+        self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
+        self.applied = 0
+
+    def after_step(self, step: int, tokens: int, params: Params) -> tuple[Params, list[Push]]:
+        """Count the step, apply merged values that are due, return the pushes that are due."""
+        for p in range(len(self.fragments)):
+            self.steps[p] += 1
+            self.tokens[p] += tokens
+        params = self.apply_due(step, params)
+        pushes = []
+        p = due_fragment(step, self.cfg.delta_h, len(self.fragments))
+        if p is not None:
+            push = self._maybe_push(p, step, params)
+            if push is not None:
+                pushes.append(push)
+        return params, pushes
+
+    def push_all(self, step: int, params: Params) -> list[Push]:
+        """Final flush: push every fragment that has progress and nothing in flight."""
+        out = []
+        for p in range(len(self.fragments)):
+            if self.inflight[p] is None and self.steps[p] > 0:
+                out.append(self._push(p, step, params))
+        return out
+
+    def _maybe_push(self, p: int, step: int, params: Params) -> Push | None:
+        f = self.inflight[p]
+        if f is not None and step - f.step <= self.cfg.sync_every:
+            return None  # still waiting for the merged value of the last push
+        if self.steps[p] == 0:
+            return None
+        return self._push(p, step, params)
+
+    def _push(self, p: int, step: int, params: Params) -> Push:
+        theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
+        payload = {n: quant.quantize(self.base[p][n] - theta[n], self.cfg.codec_up,
+                                     self.cfg.quant_block) for n in self.fragments[p]}
+        keep = theta if self.cfg.apply == "rebase" else None
+        self.inflight[p] = _InFlight(step, self.base_version[p], keep)
+        return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
+
+    def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
+        """Take a merged value of fragment p; False if it is not newer than what we have."""
+        newest = self.pending[p][0] if self.pending[p] else self.base_version[p]
+        if version <= newest:
+            return False
+        self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
+                                     for n in self.fragments[p]})
+        return True
+
+    def apply_at(self, p: int) -> int | None:
+        """Step at which fragment p's pending value is applied (None: nothing pending)."""
+        if self.pending[p] is None:
+            return None
+        f = self.inflight[p]
+        if f is not None:
+            return f.step + self.cfg.overlap_steps
+        if self.pending[p][0] - self.base_version[p] > self.cfg.max_staleness:
+            return 0  # too far behind: a push from this base would be dropped, rejoin now
+        # Nothing in flight: keep the local progress; the value is applied τ steps after the
+        # next push of this fragment (which the syncer anchors to the current version).
+        return None
+
+    def blocked(self, step: int) -> bool:
+        """Strict/sync modes: must the learner wait for a merged value before `step + 1`?"""
+        if not self.cfg.strict:
+            return False
+        for p, f in enumerate(self.inflight):
+            if f is not None and self.pending[p] is None and step >= f.step + self.cfg.overlap_steps:
+                return True
+        return False
+
+    def apply_due(self, step: int, params: Params) -> Params:
+        """Apply every pending merged value whose time has come."""
+        for p in range(len(self.fragments)):
+            at = self.apply_at(p)
+            if at is not None and step >= at:
+                params = self._apply(p, params)
+        return params
+
+    def _apply(self, p: int, params: Params) -> Params:
+        version, value = self.pending[p]
+        f = self.inflight[p]
+        a = self.cfg.mix_alpha
+        params = dict(params)
+        for n in self.fragments[p]:
+            if self.cfg.apply == "rebase" and f is not None and f.theta_at_push is not None:
+                new = value[n] + (np.asarray(params[n]) - f.theta_at_push[n])
+            elif a > 0:
+                new = a * np.asarray(params[n]) + (1 - a) * value[n]
+            else:
+                new = value[n]
+            params[n] = jnp.asarray(new, jnp.float32)
+        self.base[p] = value
+        self.base_version[p] = version
+        self.steps[p] = 0
+        self.tokens[p] = 0
+        self.inflight[p] = None
+        self.pending[p] = None
+        self.applied += 1
+        return params

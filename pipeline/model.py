@@ -1,0 +1,98 @@
+"""A byte-level decoder-only transformer in JAX: pure functions over a flat parameter dict.
+
+Parameters are a ``dict[str, jax.Array]`` with dotted names (``wte``, ``h0.attn.qkv``, ...):
+a flat dict makes fragments (sets of tensor names) trivial to cut and reassemble. The output
+projection is tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipeline.config import ModelConfig
+
+Params = dict[str, jax.Array]
+
+EMBEDDING_NAMES = ("wte", "wpe")
+
+
+def is_embedding(name: str) -> bool:
+    """Embedding tensors are merged by weighted mean and live in their own fragment."""
+    return name in EMBEDDING_NAMES
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every parameter, in a fixed order."""
+    d, f = cfg.d_model, cfg.d_model * cfg.mlp_ratio
+    shapes: dict[str, tuple[int, ...]] = {"wte": (cfg.vocab_size, d), "wpe": (cfg.seq_len, d)}
+    for i in range(cfg.n_layers):
+        shapes[f"h{i}.ln1.g"] = (d,)
+        shapes[f"h{i}.ln1.b"] = (d,)
+        shapes[f"h{i}.attn.qkv"] = (d, 3 * d)
+        shapes[f"h{i}.attn.proj"] = (d, d)
+        shapes[f"h{i}.ln2.g"] = (d,)
+        shapes[f"h{i}.ln2.b"] = (d,)
+        shapes[f"h{i}.mlp.fc"] = (d, f)
+        shapes[f"h{i}.mlp.proj"] = (f, d)
+    shapes["lnf.g"] = (d,)
+    shapes["lnf.b"] = (d,)
+    return shapes
+
+
+def n_params(cfg: ModelConfig) -> int:
+    return int(sum(np.prod(s) for s in param_shapes(cfg).values()))
+
+
+def init_params(cfg: ModelConfig, seed: int) -> Params:
+    """GPT-2 style initialisation (residual projections scaled by 1/sqrt(2·layers))."""
+    key = jax.random.PRNGKey(seed)
+    params: Params = {}
+    resid_std = 0.02 / np.sqrt(2 * cfg.n_layers)
+    for i, (name, shape) in enumerate(param_shapes(cfg).items()):
+        if name.endswith(".g"):
+            params[name] = jnp.ones(shape, jnp.float32)
+        elif name.endswith(".b"):
+            params[name] = jnp.zeros(shape, jnp.float32)
+        else:
+            std = resid_std if name.endswith("proj") else 0.02
+            params[name] = std * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    return params
+
+
+def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+
+def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Logits ``[batch, time, vocab]`` for int32 tokens ``[batch, time]``."""
+    _, t = tokens.shape
+    h = cfg.n_heads
+    x = params["wte"][tokens] + params["wpe"][:t]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(cfg.n_layers):
+        p = f"h{i}."
+        y = _layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
+        q, k, v = jnp.split(y @ params[p + "attn.qkv"], 3, axis=-1)
+        q, k, v = (z.reshape(z.shape[0], t, h, -1) for z in (q, k, v))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(np.float32)
+        att = jax.nn.softmax(jnp.where(mask, att, jnp.float32(-1e30)), axis=-1)
+        y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(x.shape)
+        x = x + y @ params[p + "attn.proj"]
+        y = _layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
+        x = x + jax.nn.gelu(y @ params[p + "mlp.fc"]) @ params[p + "mlp.proj"]
+    x = _layer_norm(x, params["lnf.g"], params["lnf.b"])
+    return x @ params["wte"].T
+
+
+def loss_and_accuracy(params: Params, batch: jax.Array, cfg: ModelConfig):
+    """Mean next-byte cross-entropy (nats) and accuracy of a ``[batch, seq_len+1]`` window."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = forward(params, inputs, cfg)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    acc = jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
+    return jnp.mean(nll), acc

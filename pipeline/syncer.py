@@ -1,0 +1,250 @@
+"""The syncer's state machine for one fragment: accept contributions, decide, close rounds.
+
+No I/O: the distributed syncer (``workers/syncer.py``) and the in-process engine feed it decoded
+contributions and the clock, persist what `close` returns and publish it. State that must
+survive a crash is exported by `state_dict` and restored by `from_state_dict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from pipeline import quant
+from pipeline.config import OuterConfig, SyncConfig
+from pipeline.merge import StreamingMerge, anchored_delta, token_weight
+from pipeline.outer import init_state, outer_optimizer, outer_step
+from pipeline.policy import Decision, RoundPolicy, RoundView, decide
+
+
+@dataclass
+class Contribution:
+    """One decoded push: δ = base − θ of one fragment from one learner."""
+
+    learner: str
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    delta: dict[str, np.ndarray]
+    entry_id: str = ""
+    nbytes: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Identity for deduplication: (learner, base_version, step)."""
+        return (self.learner, self.base_version, self.step)
+
+
+@dataclass
+class RoundResult:
+    """Everything a closed round produced; the I/O layer commits it atomically."""
+
+    fragment: int
+    version: int
+    theta: dict[str, np.ndarray]          # new fp32 global value
+    sent: dict[str, quant.QTensor]        # what learners receive (down-link codec)
+    sent_hash: str
+    included: list[tuple[str, str, float, int]]  # (entry_id, learner, weight, staleness)
+    dropped: list[tuple[str, str]]        # (entry_id, reason)
+    reason: str
+    first_arrival_s: float
+    quorum_s: float
+    closed_s: float
+    tokens: int
+    steps: int
+
+
+@dataclass
+class _Round:
+    merge: StreamingMerge
+    contributors: dict[str, Contribution] = field(default_factory=dict)
+    first_arrival_s: float | None = None
+    quorum_reached_s: float | None = None
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    included: list[tuple[str, str, float, int]] = field(default_factory=list)
+    tokens: int = 0
+    steps: int = 0
+
+
+def sent_hash(sent: Mapping[str, quant.QTensor]) -> str:
+    """sha256 over the down-link tensors' bytes in name order (what replay verifies)."""
+    h = hashlib.sha256()
+    for k in sorted(sent):
+        h.update(np.ascontiguousarray(sent[k].data).tobytes())
+        if sent[k].scales is not None:
+            h.update(np.ascontiguousarray(sent[k].scales).tobytes())
+    return h.hexdigest()
+
+
+def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int
+                ) -> tuple[dict[str, quant.QTensor], dict[str, np.ndarray]]:
+    """Quantise a global value for the down link; also return what learners will decode."""
+    sent = {k: quant.quantize(v, codec, block) for k, v in theta.items()}
+    return sent, {k: quant.dequantize(q) for k, q in sent.items()}
+
+
+class FragmentSyncer:
+    """Rounds of one fragment: version v, global Θ(v), outer momentum, recent sent values.
+
+    Args:
+        fragment: fragment index.
+        theta: the initial global value (version 0) or the restored one.
+        outer_cfg, sync_cfg: outer optimiser and sync policy.
+        learners: number of learners (for the quorum).
+    """
+
+    def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,
+                 sync_cfg: SyncConfig, version: int = 0):
+        self.fragment = fragment
+        self.sync_cfg = sync_cfg
+        self.version = version
+        self.theta = {k: np.asarray(v, np.float32) for k, v in theta.items()}
+        self.shapes = {k: v.shape for k, v in self.theta.items()}
+        self._opt = outer_optimizer(outer_cfg)
+        self.opt_state = init_state(self._opt, self.theta)
+        self.sent, sent_values = encode_down(self.theta, sync_cfg.codec_down, sync_cfg.quant_block)
+        # version → the dequantised value learners received for it (anchors stale contributions)
+        self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
+        self.seen: set[tuple[str, int, int]] = set()
+        self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
+                                  sync_cfg.overlap_steps)
+        self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
+        self._round = self._new_round()
+
+    def _new_round(self) -> _Round:
+        return _Round(merge=StreamingMerge(self.shapes, self.sync_cfg.merge))
+
+    @property
+    def sent_values(self) -> dict[str, np.ndarray]:
+        return self.history[self.version]
+
+    @property
+    def contributors(self) -> frozenset[str]:
+        return frozenset(self._round.contributors)
+
+    def offer(self, c: Contribution, now_s: float) -> tuple[bool, str]:
+        """Accumulate a contribution into the open round, or say why not.
+
+        Returns ``(accepted, reason)``. A refused contribution is either a duplicate (seen
+        before: not recorded), already represented in this round ("defer": retry after close),
+        or dropped (recorded in the next round record with its reason).
+        """
+        if c.key in self.seen:
+            return False, "duplicate"
+        if c.learner in self._round.contributors:
+            return False, "defer: learner already contributed to the open round"
+        staleness = self.version - c.base_version
+        reason = ""
+        if c.base_version not in self.history and 0 <= staleness <= self.sync_cfg.max_staleness:
+            reason = f"base version {c.base_version} no longer held"
+        if staleness > self.sync_cfg.max_staleness:
+            reason = (f"stale: base version {c.base_version}, global version {self.version}, "
+                      f"max_staleness {self.sync_cfg.max_staleness}")
+        elif staleness < 0:
+            reason = f"base version {c.base_version} is ahead of global version {self.version}"
+        elif c.steps <= 0 or c.tokens <= 0:
+            reason = f"empty contribution (steps {c.steps}, tokens {c.tokens})"
+        elif set(c.delta) != set(self.shapes) or any(
+                c.delta[k].shape != s for k, s in self.shapes.items()):
+            reason = "tensors do not match the fragment's names and shapes"
+        elif not all(np.isfinite(d).all() for d in c.delta.values()):
+            reason = "non-finite values in the contribution"
+        self.seen.add(c.key)
+        if reason:
+            self._round.dropped.append((c.entry_id, reason))
+            return False, reason
+        weight = token_weight(c.tokens, c.steps)
+        delta = anchored_delta(self.theta, self.history[c.base_version], c.delta)
+        self._round.merge.add(delta, weight)
+        r = self._round
+        r.contributors[c.learner] = c
+        r.included.append((c.entry_id, c.learner, weight, staleness))
+        r.tokens += c.tokens
+        r.steps += c.steps
+        if r.first_arrival_s is None:
+            r.first_arrival_s = now_s
+        if r.quorum_reached_s is None and len(r.contributors) >= self.policy.quorum:
+            r.quorum_reached_s = now_s
+        return True, "accepted"
+
+    def view(self, live: frozenset[str]) -> RoundView:
+        r = self._round
+        q = r.quorum_reached_s
+        if q is None and r.contributors and len(r.contributors) >= min(self.policy.quorum,
+                                                                       max(1, len(live))):
+            # the quorum shrank (learners died) after contributions arrived
+            q = max(r.first_arrival_s or 0.0, 0.0)
+        return RoundView(frozenset(r.contributors), r.first_arrival_s, q)
+
+    def decide(self, now_s: float, live: frozenset[str], step_time_s: float) -> Decision:
+        return decide(now_s, self.view(live), live, self.policy, step_time_s, self.sync_time_s)
+
+    @property
+    def pending_drops(self) -> list[tuple[str, str]]:
+        return self._round.dropped
+
+    def close(self, now_s: float, reason: str) -> RoundResult:
+        """Merge, take the outer step, advance the version and open a new round."""
+        r = self._round
+        outer_grad = r.merge.result()
+        self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state)
+        self.version += 1
+        self.sent, sent_values = encode_down(self.theta, self.sync_cfg.codec_down,
+                                             self.sync_cfg.quant_block)
+        self.history[self.version] = sent_values
+        while len(self.history) > self.sync_cfg.max_staleness + 1:
+            self.history.popitem(last=False)
+        oldest = self.version - self.sync_cfg.max_staleness - 1
+        self.seen = {k for k in self.seen if k[1] >= oldest}
+        result = RoundResult(
+            fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
+            sent_hash=sent_hash(self.sent), included=r.included, dropped=r.dropped,
+            reason=reason, first_arrival_s=r.first_arrival_s or now_s,
+            quorum_s=r.quorum_reached_s or now_s, closed_s=now_s, tokens=r.tokens,
+            steps=r.steps)
+        self._round = self._new_round()
+        return result
+
+    def take_drops(self) -> list[tuple[str, str]]:
+        """Drops recorded while no round is open with contributions (flushed by the caller)."""
+        drops, self._round.dropped = self._round.dropped, []
+        return drops
+
+    def record_sync_time(self, seconds: float, alpha: float = 0.3) -> None:
+        self.sync_time_s = seconds if self.sync_time_s == 0 else (
+            (1 - alpha) * self.sync_time_s + alpha * seconds)
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Plain data (numpy arrays, ints, lists) for the crash-safe commit."""
+        leaves = jax.tree_util.tree_leaves(self.opt_state)
+        return {
+            "fragment": self.fragment,
+            "version": self.version,
+            "theta": self.theta,
+            "momentum": [np.asarray(x) for x in leaves],
+            "history": {str(v): h for v, h in self.history.items()},
+            "seen": sorted([list(k) for k in self.seen]),
+            "sync_time_s": self.sync_time_s,
+        }
+
+    @classmethod
+    def from_state_dict(cls, d: dict, outer_cfg: OuterConfig,
+                        sync_cfg: SyncConfig) -> FragmentSyncer:
+        s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]))
+        treedef = jax.tree_util.tree_structure(s.opt_state)
+        s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
+        s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})
+                                for v, h in sorted(d["history"].items(), key=lambda kv: int(kv[0])))
+        s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
+        s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
+        s.sync_time_s = float(d.get("sync_time_s", 0.0))
+        return s

@@ -1,0 +1,67 @@
+"""The inner optimiser (AdamW, warmup then cosine, clipping), the jitted step and evaluation.
+
+The jitted step returns ``(params, opt_state, metrics)``; NaN checks, pushing and logging
+happen outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipeline.config import InnerConfig, ModelConfig
+from pipeline.model import Params, loss_and_accuracy
+
+
+def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule."""
+    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.lr,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Callable:
+    """A jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+
+    def loss_fn(params: Params, batch: jax.Array):
+        loss, acc = loss_and_accuracy(params, batch, model_cfg)
+        return loss, acc
+
+    @jax.jit
+    def step(params: Params, opt_state, batch: jax.Array):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "accuracy": acc,
+                                   "grad_norm": optax.global_norm(grads)}
+
+    return step
+
+
+@partial(jax.jit, static_argnums=2)
+def _eval_batch(params: Params, batch: jax.Array, model_cfg: ModelConfig):
+    return loss_and_accuracy(params, batch, model_cfg)
+
+
+def evaluate(params: Params, batches: np.ndarray, model_cfg: ModelConfig) -> dict[str, float]:
+    """Mean loss (nats/byte) and next-byte accuracy over fixed evaluation batches."""
+    losses, accs = [], []
+    for b in batches:
+        loss, acc = _eval_batch(params, jnp.asarray(b), model_cfg)
+        losses.append(float(loss))
+        accs.append(float(acc))
+    return {"loss": float(np.mean(losses)), "accuracy": float(np.mean(accs))}

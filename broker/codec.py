@@ -1,0 +1,585 @@
+"""The wire codec: bytes <-> quantised fragments, for Redis stream entries and ZeroMQ.
+
+This module owns every byte layout that crosses a process boundary:
+
+* fragment-stream entries (a learner's outer gradient): plain Redis fields plus one binary
+  ``payload`` field holding :func:`pack_tensors`'s msgpack document;
+* ZeroMQ multipart messages of merged (global) fragment values (:func:`global_frames`),
+  which carry tensor buffers as separate zero-copy frames;
+* snapshots, the same content as one bytes blob for storing in Redis.
+
+Everything is msgpack plus raw little-endian buffers; no Python-object serialisation is
+ever used, so decoding runs no code chosen by the sender. Pure functions: no
+sockets, no Redis. Decoding validates every size, type, dtype and checksum before building
+arrays and raises :class:`~broker.errors.DecodeError` for any malformed input; size limits
+are checked before msgpack sees the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from broker.errors import DecodeError
+from pipeline.quant import CODECS, QTensor, data_nbytes, num_blocks
+
+MAX_PAYLOAD_BYTES = 256 * 2**20
+WIRE_VERSION = 1
+
+# dtype allowlist of the payload of each codec (little-endian on the wire).
+_WIRE_DTYPE = {"fp32": "<f4", "bf16": "<u2", "int8": "|i1", "int4": "|u1"}
+_BLOCKED = ("int8", "int4")
+_MAX_NDIM = 32
+_MAX_ELEMENTS = 2**40
+_MAX_BLOCK = 2**31
+_MAX_NAME = 1024
+_MAX_HEADER_BYTES = 16 * 2**20
+_MAX_FRAGMENT = 9999  # topic() is fixed width: four decimal digits
+_INT_RE = re.compile(rb"[0-9]{1,19}")
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")
+_HEADER_KEYS = {"v", "run", "fragment", "version", "names", "codecs", "shapes", "blocks", "sha256"}
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """The plain (non-payload) fields of a fragment-stream entry."""
+
+    learner: str
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    codec: str
+
+
+@dataclass(frozen=True)
+class GlobalHeader:
+    """Header of a merged fragment value (ZeroMQ message or snapshot)."""
+
+    run: str
+    fragment: int
+    version: int
+    names: tuple[str, ...]
+    codecs: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    blocks: tuple[int, ...]
+    sha256: str
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def sha256_hex(*buffers: bytes | memoryview) -> str:
+    """Return the hex SHA-256 of the concatenation of ``buffers``."""
+    h = hashlib.sha256()
+    for buf in buffers:
+        h.update(buf)
+    return h.hexdigest()
+
+
+def _r(value: object) -> str:
+    """A short repr of an untrusted decoded value, for error messages."""
+    if isinstance(value, list | dict | str | bytes) and len(value) > 32:
+        return f"<{type(value).__name__} of length {len(value)}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_blob(blob: object, max_bytes: int, what: str) -> None:
+    """Type and size checks of an undecoded blob (before msgpack sees it)."""
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise DecodeError(f"{what} must be bytes, got {type(blob).__name__}")
+    if len(blob) > max_bytes:
+        raise DecodeError(f"{what} of {len(blob)} bytes exceeds the limit of {max_bytes}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
+def _unpackb(blob: bytes | memoryview, max_bytes: int, what: str) -> Any:
+    """msgpack-decode ``blob`` with tight limits; any failure becomes DecodeError."""
+    try:
+        return msgpack.unpackb(
+            blob,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=max_bytes,
+            max_str_len=min(max_bytes, _MAX_HEADER_BYTES),
+            max_array_len=min(max_bytes, 2**24),
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises ValueError/TypeError/StackError/...
+        raise DecodeError(f"malformed {what}: {type(e).__name__}: {e}") from e
+
+
+def _as_buffer(frame: object) -> memoryview:
+    """A flat byte memoryview of a bytes-like object or a zmq.Frame-like object."""
+    obj = frame
+    if not isinstance(obj, bytes | bytearray | memoryview):
+        buf = getattr(obj, "buffer", None)
+        obj = buf if buf is not None else getattr(obj, "bytes", None)
+    try:
+        mv = memoryview(obj)  # type: ignore[arg-type]
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+    except (TypeError, ValueError) as e:
+        raise DecodeError(f"frame of type {type(frame).__name__} is not a buffer") from e
+    if not mv.c_contiguous:
+        raise DecodeError("frame buffer is not contiguous")
+    return mv
+
+
+def _shape_of(raw: object) -> tuple[int, ...]:
+    if not isinstance(raw, list | tuple) or len(raw) > _MAX_NDIM:
+        raise DecodeError(f"shape must be a list of at most {_MAX_NDIM} ints")
+    if not all(_is_int(d) and 0 <= d <= _MAX_ELEMENTS for d in raw):
+        raise DecodeError(f"bad shape {_r(raw)}")
+    shape = tuple(raw)
+    if math.prod(shape) > _MAX_ELEMENTS:
+        raise DecodeError(f"shape {shape} has too many elements")
+    return shape
+
+
+def _layout(codec: object, shape: tuple[int, ...], block: object) -> tuple[int, int]:
+    """Validate codec/block; return (expected data bytes, expected scale bytes)."""
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise DecodeError(f"unknown codec {_r(codec)}")
+    if not _is_int(block):
+        raise DecodeError(f"block must be an int, got {type(block).__name__}")
+    n = math.prod(shape)
+    if codec in _BLOCKED:
+        if not 1 <= block <= _MAX_BLOCK:
+            raise DecodeError(f"{codec} block {block} out of range")
+        return data_nbytes(codec, n), 4 * num_blocks(n, block)
+    if block != 0:
+        raise DecodeError(f"{codec} block must be 0, got {block}")
+    return data_nbytes(codec, n), 0
+
+
+def _build(
+    name: str, codec: str, shape: tuple[int, ...], block: int, data: object, scales: object
+) -> QTensor:
+    """Validate the buffers of one tensor and wrap them (no copy) as a QTensor."""
+    want_data, want_scales = _layout(codec, shape, block)
+    if not isinstance(data, bytes | memoryview):
+        raise DecodeError(f"{_r(name)}: data must be binary")
+    if len(data) != want_data:
+        raise DecodeError(f"{_r(name)}: data has {len(data)} bytes, expected {want_data}")
+    arr = np.frombuffer(data, dtype=_WIRE_DTYPE[codec])
+    if codec not in _BLOCKED:
+        if scales is not None:
+            raise DecodeError(f"{_r(name)}: {codec} carries no scales")
+        return QTensor(codec, shape, arr, None, block)
+    if not isinstance(scales, bytes | memoryview):
+        raise DecodeError(f"{_r(name)}: {codec} needs binary scales")
+    if len(scales) != want_scales:
+        raise DecodeError(f"{_r(name)}: scales have {len(scales)} bytes, expected {want_scales}")
+    sc = np.frombuffer(scales, dtype="<f4")
+    if not (np.isfinite(sc).all() and (sc >= 0).all()):
+        raise DecodeError(f"{_r(name)}: scales must be finite and non-negative")
+    return QTensor(codec, shape, arr, sc, block)
+
+
+def _wire_arrays(name: str, q: QTensor) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate an outgoing QTensor; return its contiguous little-endian data and scales."""
+    if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
+        raise ValueError(f"tensor names must be str of 1..{_MAX_NAME} chars, got {name!r}")
+    codec = q.codec
+    if codec not in CODECS:
+        raise ValueError(f"{name!r}: unknown codec {codec!r}")
+    want = np.dtype(_WIRE_DTYPE[codec])
+    data = np.asarray(q.data)
+    if data.dtype.kind != want.kind or data.dtype.itemsize != want.itemsize:
+        raise ValueError(f"{name!r}: {codec} data must be {want}, got {data.dtype}")
+    data = np.ascontiguousarray(data.reshape(-1), dtype=want)
+    if (q.scales is None) != (codec not in _BLOCKED):
+        raise ValueError(
+            f"{name!r}: {codec} tensors {'need' if codec in _BLOCKED else 'lack'} scales"
+        )
+    scales = None
+    if q.scales is not None:
+        scales = np.ascontiguousarray(np.asarray(q.scales).reshape(-1), dtype="<f4")
+    shape = tuple(int(d) for d in q.shape)
+    try:
+        want_data, want_scales = _layout(codec, _shape_of(shape), int(q.block))
+    except DecodeError as e:
+        raise ValueError(f"{name!r}: {e}") from None
+    if data.nbytes != want_data or (0 if scales is None else scales.nbytes) != want_scales:
+        raise ValueError(f"{name!r}: inconsistent {codec} tensor of shape {shape}")
+    return data, scales
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.view(np.uint8))
+
+
+# ------------------------------------------------------------------ outer gradients
+
+
+def pack_tensors(tensors: Mapping[str, QTensor]) -> bytes:
+    """Serialise a fragment's quantised tensors as one msgpack document.
+
+    Layout: ``{"v": 1, "t": [[name, codec, shape, block, dtype, data, scales|None], ...]}``
+    with ``data``/``scales`` as msgpack bin; order is preserved.
+
+    Args:
+        tensors: Name -> quantised tensor.
+
+    Returns:
+        The document.
+
+    Raises:
+        ValueError: If a tensor is internally inconsistent.
+    """
+    rows = []
+    for name, q in tensors.items():
+        data, scales = _wire_arrays(name, q)
+        head = [name, q.codec, [int(d) for d in q.shape], int(q.block), _WIRE_DTYPE[q.codec]]
+        rows.append([*head, _bytes_view(data), None if scales is None else _bytes_view(scales)])
+    return msgpack.packb({"v": WIRE_VERSION, "t": rows}, use_bin_type=True)
+
+
+def unpack_tensors(blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, QTensor]:
+    """Decode :func:`pack_tensors`'s document.
+
+    Args:
+        blob: The document.
+        max_bytes: Largest accepted ``len(blob)``, checked before decoding.
+
+    Returns:
+        Name -> quantised tensor, in wire order. Arrays are read-only views of decoded
+        buffers.
+
+    Raises:
+        DecodeError: On any malformed input.
+    """
+    _check_blob(blob, max_bytes, "payload")
+    doc = _unpackb(blob, max_bytes, "tensor payload")
+    if not isinstance(doc, dict) or set(doc) != {"v", "t"}:
+        raise DecodeError("tensor payload must be a map with keys 'v' and 't'")
+    if not _is_int(doc["v"]) or doc["v"] != WIRE_VERSION:
+        raise DecodeError(f"unsupported wire version {_r(doc['v'])}")
+    if not isinstance(doc["t"], list):
+        raise DecodeError("'t' must be a list")
+    out: dict[str, QTensor] = {}
+    for row in doc["t"]:
+        if not isinstance(row, list) or len(row) != 7:
+            raise DecodeError("each tensor must be a list of 7 items")
+        name, codec, shape, block, dtype, data, scales = row
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
+            raise DecodeError("tensor name must be a non-empty str")
+        if name in out:
+            raise DecodeError(f"duplicate tensor name {_r(name)}")
+        if not isinstance(codec, str) or codec not in CODECS:
+            raise DecodeError(f"{_r(name)}: unknown codec {_r(codec)}")
+        if dtype != _WIRE_DTYPE[codec]:
+            raise DecodeError(f"{_r(name)}: dtype {_r(dtype)} not allowed for {codec}")
+        out[name] = _build(name, codec, _shape_of(shape), block, data, scales)
+    return out
+
+
+def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, bytes | str | int]:
+    """Build the Redis stream entry of one outer gradient.
+
+    Args:
+        meta: The plain fields.
+        tensors: The fragment's quantised tensors; all must use ``meta.codec``.
+
+    Returns:
+        The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
+        sha256`` and the binary ``payload``.
+
+    Raises:
+        ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
+    """
+    if meta.codec not in CODECS:
+        raise ValueError(f"unknown codec {meta.codec!r}")
+    if not isinstance(meta.learner, str) or not meta.learner:
+        raise ValueError("learner must be a non-empty str")
+    for field in _ENTRY_INT_FIELDS:
+        value = getattr(meta, field)
+        if not _is_int(value) or not 0 <= value < 10**19:
+            raise ValueError(f"{field} must be a non-negative int, got {value!r}")
+    for name, q in tensors.items():
+        if q.codec != meta.codec:
+            raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
+    payload = pack_tensors(tensors)
+    return {
+        "learner": meta.learner,
+        **{field: int(getattr(meta, field)) for field in _ENTRY_INT_FIELDS},
+        "codec": meta.codec,
+        "nbytes": len(payload),
+        "sha256": sha256_hex(payload),
+        "payload": payload,
+    }
+
+
+def _field(fields: Mapping[Any, Any], key: str) -> Any:
+    if key in fields:
+        return fields[key]
+    bkey = key.encode()
+    if bkey in fields:
+        return fields[bkey]
+    raise DecodeError(f"stream entry lacks field {_r(key)}")
+
+
+def _text_field(fields: Mapping[Any, Any], key: str) -> str:
+    value = _field(fields, key)
+    if isinstance(value, bytes | bytearray | memoryview):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DecodeError(f"field {_r(key)} is not utf-8") from e
+    if not isinstance(value, str) or not value:
+        raise DecodeError(f"field {_r(key)} must be non-empty text")
+    return value
+
+
+def _int_field(fields: Mapping[Any, Any], key: str) -> int:
+    value = _field(fields, key)
+    if _is_int(value):
+        if value < 0:
+            raise DecodeError(f"field {_r(key)} is negative")
+        return int(value)
+    if isinstance(value, str):
+        value = value.encode("utf-8", "replace")
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise DecodeError(f"field {_r(key)} must be a decimal integer")
+    value = bytes(value)
+    if not _INT_RE.fullmatch(value):
+        raise DecodeError(
+            f"field {_r(key)} is not a non-negative decimal integer: {_r(value[:32])}"
+        )
+    return int(value)
+
+
+def parse_entry(
+    fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES
+) -> tuple[EntryMeta, dict[str, QTensor]]:
+    """Decode a Redis stream entry built by :func:`entry_fields`.
+
+    Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
+    Fields beyond the known ones are ignored.
+
+    Args:
+        fields: The entry's fields.
+        max_bytes: Largest accepted payload.
+
+    Returns:
+        The plain fields and the tensors.
+
+    Raises:
+        DecodeError: On a missing or malformed field, a size or checksum mismatch (checked
+            before decoding the payload), a malformed payload, or tensors whose codec
+            differs from the ``codec`` field.
+    """
+    if not isinstance(fields, Mapping):
+        raise DecodeError(f"stream entry must be a mapping, got {type(fields).__name__}")
+    ints = {key: _int_field(fields, key) for key in _ENTRY_INT_FIELDS}
+    meta = EntryMeta(
+        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints
+    )
+    if meta.codec not in CODECS:
+        raise DecodeError(f"unknown codec {_r(meta.codec)}")
+    nbytes = _int_field(fields, "nbytes")
+    sha = _text_field(fields, "sha256")
+    payload = _field(fields, "payload")
+    _check_blob(payload, max_bytes, "payload")
+    if len(payload) != nbytes:
+        raise DecodeError(f"payload has {len(payload)} bytes, nbytes field says {nbytes}")
+    if sha256_hex(payload) != sha.lower():
+        raise DecodeError("payload sha256 mismatch")
+    tensors = unpack_tensors(payload, max_bytes=max_bytes)
+    for name, q in tensors.items():
+        if q.codec != meta.codec:
+            raise DecodeError(f"{_r(name)} uses codec {_r(q.codec)}, entry says {_r(meta.codec)}")
+    return meta, tensors
+
+
+# ---------------------------------------------------------------- global fragments
+
+
+def topic(fragment: int) -> bytes:
+    """ZeroMQ topic of a fragment: ``b"f%04d"``, fixed width so prefixes never collide.
+
+    Raises:
+        ValueError: If ``fragment`` is not in ``[0, 9999]``.
+    """
+    if not _is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
+        raise ValueError(f"fragment must be an int in [0, {_MAX_FRAGMENT}], got {fragment!r}")
+    return b"f%04d" % int(fragment)
+
+
+def _global_parts(
+    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]
+) -> tuple[dict[str, Any], list[memoryview]]:
+    """The header dict and the tensor buffers (data, then scales if any, per tensor)."""
+    topic(fragment)
+    fragment = int(fragment)
+    if not isinstance(run, str) or not run:
+        raise ValueError("run must be a non-empty str")
+    if not _is_int(version) or version < 0:
+        raise ValueError(f"version must be a non-negative int, got {version!r}")
+    bufs: list[memoryview] = []
+    for name, q in tensors.items():
+        data, scales = _wire_arrays(name, q)
+        bufs.append(_bytes_view(data))
+        if scales is not None:
+            bufs.append(_bytes_view(scales))
+    header = {
+        "v": WIRE_VERSION,
+        "run": run,
+        "fragment": fragment,
+        "version": int(version),
+        "names": list(tensors),
+        "codecs": [q.codec for q in tensors.values()],
+        "shapes": [[int(d) for d in q.shape] for q in tensors.values()],
+        "blocks": [int(q.block) for q in tensors.values()],
+        "sha256": sha256_hex(*bufs),
+    }
+    return header, bufs
+
+
+def _parse_header(raw: object) -> GlobalHeader:
+    if not isinstance(raw, dict) or set(raw) != _HEADER_KEYS:
+        raise DecodeError(f"global header must be a map with keys {sorted(_HEADER_KEYS)}")
+    if not _is_int(raw["v"]) or raw["v"] != WIRE_VERSION:
+        raise DecodeError(f"unsupported wire version {_r(raw['v'])}")
+    run, fragment, version, sha = raw["run"], raw["fragment"], raw["version"], raw["sha256"]
+    if not isinstance(run, str) or not run:
+        raise DecodeError("run must be a non-empty str")
+    if not _is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
+        raise DecodeError(f"bad fragment {_r(fragment)}")
+    if not _is_int(version) or version < 0:
+        raise DecodeError(f"bad version {_r(version)}")
+    if not isinstance(sha, str) or not _SHA_RE.fullmatch(sha):
+        raise DecodeError("sha256 must be 64 lowercase hex digits")
+    lists = [raw[k] for k in ("names", "codecs", "shapes", "blocks")]
+    if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1:
+        raise DecodeError("names, codecs, shapes and blocks must be lists of equal length")
+    names, codecs, shapes, blocks = lists
+    if not all(isinstance(n, str) and 0 < len(n) <= _MAX_NAME for n in names):
+        raise DecodeError("tensor names must be non-empty str")
+    if len(set(names)) != len(names):
+        raise DecodeError("duplicate tensor names")
+    if not all(isinstance(c, str) and c in CODECS for c in codecs):
+        raise DecodeError(f"unknown codec in {_r(codecs[:8])}")
+    shapes_t = tuple(_shape_of(s) for s in shapes)
+    for codec, shape, block in zip(codecs, shapes_t, blocks, strict=True):
+        _layout(codec, shape, block)
+    return GlobalHeader(
+        run, fragment, version, tuple(names), tuple(codecs), shapes_t, tuple(blocks), sha
+    )
+
+
+def _tensors_from(header: GlobalHeader, bufs: Sequence[Any]) -> dict[str, QTensor]:
+    """Build the tensors of ``header`` from the tensor buffers, checking count and sha."""
+    expected = sum(2 if c in _BLOCKED else 1 for c in header.codecs)
+    if len(bufs) != expected:
+        raise DecodeError(f"{len(bufs)} tensor buffers, header describes {expected}")
+    if sha256_hex(*bufs) != header.sha256:
+        raise DecodeError("global fragment sha256 mismatch")
+    out: dict[str, QTensor] = {}
+    it: Iterable[Any] = iter(bufs)
+    for name, codec, shape, block in zip(
+        header.names, header.codecs, header.shapes, header.blocks, strict=True
+    ):
+        data = next(it)
+        scales = next(it) if codec in _BLOCKED else None
+        out[name] = _build(name, codec, shape, block, data, scales)
+    return out
+
+
+def global_frames(
+    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]
+) -> list[bytes | memoryview]:
+    """Build the ZeroMQ multipart message of a merged fragment value.
+
+    Frames: ``[topic(fragment), msgpack(header), data_0, scales_0?, data_1, ...]``; tensor
+    frames are memoryviews of the tensors' own buffers (zero copy when they are already
+    contiguous little-endian), and the header's ``sha256`` covers them in order.
+    Ready for ``send_multipart(..., copy=False)``.
+
+    Args:
+        run: Run name.
+        fragment: Fragment index in ``[0, 9999]``.
+        version: Global version of the fragment.
+        tensors: Name -> quantised tensor.
+
+    Raises:
+        ValueError: On invalid arguments or inconsistent tensors.
+    """
+    header, bufs = _global_parts(run, fragment, version, tensors)
+    return [topic(fragment), msgpack.packb(header, use_bin_type=True), *bufs]
+
+
+def parse_global_frames(
+    frames: Sequence[Any], *, max_bytes: int = MAX_PAYLOAD_BYTES
+) -> tuple[GlobalHeader, dict[str, QTensor]]:
+    """Decode a message built by :func:`global_frames`.
+
+    Args:
+        frames: bytes, memoryviews, or zmq.Frame-like objects (with ``.buffer`` or
+            ``.bytes``).
+        max_bytes: Largest accepted total size of all frames.
+
+    Returns:
+        The header and the tensors; arrays are read-only views of the frames (no copy).
+
+    Raises:
+        DecodeError: On any malformed message.
+    """
+    if isinstance(frames, bytes | bytearray | memoryview | str) or not isinstance(frames, Sequence):
+        raise DecodeError("frames must be a sequence of frames")
+    if len(frames) < 2:
+        raise DecodeError(f"a global message has at least 2 frames, got {len(frames)}")
+    views = [_as_buffer(f) for f in frames]
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise DecodeError(f"message of {total} bytes exceeds the limit of {max_bytes}")
+    if views[1].nbytes > _MAX_HEADER_BYTES:
+        raise DecodeError("global header too large")
+    header = _parse_header(_unpackb(views[1], max_bytes, "global header"))
+    if views[0] != topic(header.fragment):
+        raise DecodeError(f"topic {_r(bytes(views[0][:16]))} does not match the header")
+    return header, _tensors_from(header, views[2:])
+
+
+def pack_snapshot(run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]) -> bytes:
+    """Serialise a merged fragment value as one blob: msgpack ``{"h": header, "t": [bufs]}``.
+
+    Raises:
+        ValueError: As :func:`global_frames`.
+    """
+    header, bufs = _global_parts(run, fragment, version, tensors)
+    return msgpack.packb({"h": header, "t": bufs}, use_bin_type=True)
+
+
+def unpack_snapshot(
+    blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES
+) -> tuple[GlobalHeader, dict[str, QTensor]]:
+    """Decode :func:`pack_snapshot`'s blob.
+
+    Raises:
+        DecodeError: On any malformed blob; the size limit is checked before decoding.
+    """
+    _check_blob(blob, max_bytes, "snapshot")
+    doc = _unpackb(blob, max_bytes, "snapshot")
+    if not isinstance(doc, dict) or set(doc) != {"h", "t"} or not isinstance(doc["t"], list):
+        raise DecodeError("snapshot must be a map with keys 'h' and 't' (a list)")
+    if not all(isinstance(b, bytes) for b in doc["t"]):
+        raise DecodeError("snapshot buffers must be binary")
+    header = _parse_header(doc["h"])
+    return header, _tensors_from(header, doc["t"])

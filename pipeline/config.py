@@ -105,6 +105,24 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
+class BrokerConfig:
+    """Timings and limits of the distributed pipeline (Redis streams, leases, heartbeats)."""
+
+    heartbeat_s: float = field(default=1.0, metadata=_rng(0.01, 3600.0))
+    heartbeat_ttl_s: float = field(default=5.0, metadata=_rng(0.05, 86_400.0))
+    block_ms: int = field(default=100, metadata=_rng(1, 60_000))
+    socket_timeout_s: float = field(default=10.0, metadata=_rng(0.1, 3600.0))
+    lease_ms: int = field(default=10_000, metadata=_rng(100, 3_600_000))
+    claim_idle_ms: int = field(default=60_000, metadata=_rng(100, 86_400_000))
+    max_deliveries: int = field(default=10, metadata=_rng(1, 1_000_000))
+    keep_rounds: int = field(default=50, metadata=_rng(0, 10**9))
+    stream_max_entries: int = field(default=100_000, metadata=_rng(10, 10**9))
+    snapshot_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 86_400.0))
+    max_payload_bytes: int = field(default=256 * 2**20, metadata=_rng(1024, 2**34))
+    zmq_hwm: int = field(default=16, metadata=_rng(1, 1_000_000))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Virtual clock of the in-process engine (not part of the run hash)."""
 
@@ -128,6 +146,7 @@ class RunConfig:
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
     sync: SyncConfig = SyncConfig()
+    broker: BrokerConfig = BrokerConfig()
     engine: EngineConfig = EngineConfig()
     mode: str = field(default="decoupled", metadata=_rng(choices=MODES))
     learners: int = field(default=4, metadata=_rng(1, 100_000))
@@ -142,15 +161,31 @@ class RunConfig:
         return self.sync
 
     def run_hash(self) -> str:
-        """Stable sha256 over the run-defining fields (engine section excluded)."""
-        d = to_dict(self)
+        """Stable sha256 over the run-defining fields (engine and broker timings excluded)."""
+        d = to_dict(_normalized(self))
         d.pop("engine")
+        d.pop("broker")
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig,
-             "outer": OuterConfig, "sync": SyncConfig, "engine": EngineConfig}
+             "outer": OuterConfig, "sync": SyncConfig, "broker": BrokerConfig,
+             "engine": EngineConfig}
+
+
+def _normalized(obj: Any) -> Any:
+    """A copy with every float-typed field stored as a float (so 30 and 30.0 hash alike)."""
+    if not dataclasses.is_dataclass(obj):
+        return obj
+    changes = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.type == "float" and isinstance(v, int | float) and not isinstance(v, bool):
+            changes[f.name] = float(v)
+        elif dataclasses.is_dataclass(v):
+            changes[f.name] = _normalized(v)
+    return replace(obj, **changes)
 
 
 def _check_value(path: str, f: dataclasses.Field, value: Any) -> Any:
@@ -278,6 +313,8 @@ def override(cfg: RunConfig, **updates: Any) -> RunConfig:
         node = d
         *parents, leaf = key.split(".")
         for p in parents:
+            if not isinstance(node.get(p), dict):
+                raise ConfigError(f"{key}: unknown section {p!r}")
             node = node[p]
         node[leaf] = value
     return from_dict(d)

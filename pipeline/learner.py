@@ -42,6 +42,8 @@ class _InFlight:
     step: int
     base_version: int
     theta_at_push: dict[str, np.ndarray] | None  # kept only for the "rebase" apply rule
+    steps_at_push: int = 0
+    tokens_at_push: int = 0
 
 
 class LearnerCore:
@@ -104,7 +106,8 @@ class LearnerCore:
         payload = {n: quant.quantize(self.base[p][n] - theta[n], self.cfg.codec_up,
                                      self.cfg.quant_block) for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None
-        self.inflight[p] = _InFlight(step, self.base_version[p], keep)
+        self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
+                                     self.tokens[p])
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
@@ -161,8 +164,13 @@ class LearnerCore:
             params[n] = jnp.asarray(new, jnp.float32)
         self.base[p] = value
         self.base_version[p] = version
-        self.steps[p] = 0
-        self.tokens[p] = 0
+        if self.cfg.apply == "rebase" and f is not None:
+            # the progress made since the push is kept on top of the new base: count it
+            self.steps[p] -= f.steps_at_push
+            self.tokens[p] -= f.tokens_at_push
+        else:
+            self.steps[p] = 0
+            self.tokens[p] = 0
         self.inflight[p] = None
         self.pending[p] = None
         self.applied += 1

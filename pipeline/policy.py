@@ -65,7 +65,8 @@ def decide(now_s: float, view: RoundView, live: frozenset[str], policy: RoundPol
     k = effective_quorum(policy, live)
     if n < k or view.quorum_reached_s is None:
         return Decision(False, f"waiting for quorum: {n}/{k} contributions")
-    quorum_time = view.quorum_reached_s - (view.first_arrival_s or view.quorum_reached_s)
+    first = view.first_arrival_s if view.first_arrival_s is not None else view.quorum_reached_s
+    quorum_time = view.quorum_reached_s - first
     grace = grace_window_s(policy, step_time_s, quorum_time, sync_time_s)
     deadline = view.quorum_reached_s + grace
     missing = len(live - view.contributors)

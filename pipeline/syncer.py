@@ -206,8 +206,10 @@ class FragmentSyncer:
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
             sent_hash=sent_hash(self.sent), included=r.included, dropped=r.dropped,
-            reason=reason, first_arrival_s=r.first_arrival_s or now_s,
-            quorum_s=r.quorum_reached_s or now_s, closed_s=now_s, tokens=r.tokens,
+            reason=reason,
+            first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
+            quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
+            closed_s=now_s, tokens=r.tokens,
             steps=r.steps)
         self._round = self._new_round()
         return result

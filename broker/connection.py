@@ -1,0 +1,40 @@
+"""Redis clients with the timeouts and retries the pipeline relies on.
+
+redis-py's defaults bite here: a client without a socket timeout hangs forever on a dead
+server, and one whose timeout is below the XREADGROUP BLOCK time fails every idle read. Every
+client is built by `connect`, which checks the relation and adds jittered exponential retries
+(redis-py `Retry`); a retried XADD may duplicate an entry, which the syncer dedupes.
+"""
+
+from __future__ import annotations
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from broker.errors import BrokerConnectionError
+
+
+def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
+            retries: int = 6) -> redis.Redis:
+    """A binary-safe client for `url` with timeouts above `block_ms` and retries.
+
+    Raises:
+        ValueError: if the socket timeout does not exceed the blocking read time.
+    """
+    if socket_timeout_s * 1000 <= block_ms + 500:
+        raise ValueError(f"broker.socket_timeout_s ({socket_timeout_s} s) must exceed "
+                         f"broker.block_ms ({block_ms} ms) by at least 0.5 s")
+    retry = Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries)
+    return redis.Redis.from_url(
+        url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(5.0, socket_timeout_s),
+        retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30, decode_responses=False)
+
+
+def ping(client: redis.Redis) -> None:
+    """Raise BrokerConnectionError with the URL-free reason if Redis does not answer."""
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise BrokerConnectionError(f"Redis did not answer: {e}") from e

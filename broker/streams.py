@@ -1,0 +1,230 @@
+"""Fragment streams: pushes in, consumer-group reads, dead letters, and the round commit.
+
+Delivery is at-least-once. A learner's XADD may be retried and duplicated (the syncer
+dedupes). The syncer reads with XREADGROUP into the open round and acknowledges entries only
+inside the round's commit, a single MULTI/EXEC on keys that share the fragment's hash tag,
+fenced by the fragment lease (WATCH): the new state, the published snapshot, the round record
+and the XACKs land together or not at all. A syncer that dies before its commit leaves its
+entries pending; on restart it drains its own pending list, and XAUTOCLAIM takes entries idle
+past the longest legitimate wait from consumers that never came back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from broker.errors import BrokerError
+from broker.keys import GROUP, RunKeys
+
+Fields = dict[bytes, bytes]
+
+# Extend the lease only if we still hold it (atomic compare-and-expire).
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class LeaseLost(BrokerError):
+    """The fragment's lease is held by another syncer: this one must stop committing."""
+
+
+@dataclass
+class Entry:
+    fragment: int
+    entry_id: str
+    fields: Fields
+
+
+def _id(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class FragmentStreams:
+    """Redis stream operations of one run's fragments."""
+
+    def __init__(self, r: redis.Redis, keys: RunKeys, *, max_entries: int = 100_000):
+        self.r = r
+        self.keys = keys
+        self.max_entries = max_entries
+        self._renew = r.register_script(_RENEW)
+
+    # -- learner side ---------------------------------------------------------------------------
+
+    def push(self, p: int, fields: Mapping[str, bytes | str | int]) -> str:
+        """XADD one contribution (bounded retention); returns the entry id."""
+        return _id(self.r.xadd(self.keys.fragment(p).frags, dict(fields),
+                               maxlen=self.max_entries, approximate=True))
+
+    def read_global(self, p: int) -> bytes | None:
+        return self.r.get(self.keys.fragment(p).global_)
+
+    # -- syncer side ----------------------------------------------------------------------------
+
+    def ensure_group(self, p: int) -> None:
+        try:
+            self.r.xgroup_create(self.keys.fragment(p).frags, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read_new(self, consumer: str, fragments: Iterable[int], count: int,
+                 block_ms: int) -> list[Entry]:
+        """New entries of `fragments` for this consumer (blocks up to block_ms)."""
+        streams = {self.keys.fragment(p).frags: ">" for p in fragments}
+        by_key = {self.keys.fragment(p).frags: p for p in fragments}
+        reply = self.r.xreadgroup(GROUP, consumer, streams, count=count, block=block_ms)
+        return self._entries(reply, by_key)
+
+    def read_pending(self, consumer: str, p: int, count: int = 1000) -> list[Entry]:
+        """This consumer's own pending entries of fragment p (delivered, never acked)."""
+        key = self.keys.fragment(p).frags
+        out, start = [], "0"
+        while True:
+            reply = self.r.xreadgroup(GROUP, consumer, {key: start}, count=count)
+            batch = self._entries(reply, {key: p})
+            batch = [e for e in batch if e.fields]  # trimmed entries come back empty
+            if not batch:
+                return out
+            out += batch
+            start = batch[-1].entry_id
+
+    def delivery_counts(self, p: int, ids: list[str]) -> dict[str, int]:
+        if not ids:
+            return {}
+        rows = self.r.xpending_range(self.keys.fragment(p).frags, GROUP, min=min(ids),
+                                     max=max(ids), count=len(ids) + 1000)
+        return {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    def autoclaim(self, consumer: str, p: int, min_idle_ms: int,
+                  count: int = 100) -> list[Entry]:
+        """Take over entries idle longer than `min_idle_ms` (their consumer is gone)."""
+        key = self.keys.fragment(p).frags
+        out, start = [], "0-0"
+        while True:
+            reply = self.r.xautoclaim(key, GROUP, consumer, min_idle_ms, start_id=start,
+                                      count=count)
+            start, claimed = _id(reply[0]), reply[1]
+            out += [Entry(p, _id(i), f) for i, f in claimed if f]
+            if start == "0-0" or not claimed:
+                return out
+
+    def dead_letter(self, p: int, entry: Entry, reason: str) -> None:
+        """Move an entry to the fragment's DLQ with its reason, and acknowledge it, atomically."""
+        fk = self.keys.fragment(p)
+        fields = {k: v for k, v in entry.fields.items()}
+        fields.update({b"dlq_reason": reason.encode(), b"dlq_source_id": entry.entry_id.encode()})
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(fk.dlq, fields, maxlen=self.max_entries, approximate=True)
+        pipe.xack(fk.frags, GROUP, entry.entry_id)
+        pipe.execute()
+
+    def ack_only(self, p: int, ids: list[str]) -> None:
+        if ids:
+            self.r.xack(self.keys.fragment(p).frags, GROUP, *ids)
+
+    def acquire_lease(self, p: int, owner: str, lease_ms: int) -> bool:
+        """Take the fragment's lease if free (or extend it if ours)."""
+        key = self.keys.fragment(p).lease
+        if self.r.set(key, owner.encode(), nx=True, px=lease_ms):
+            return True
+        return bool(self._renew(keys=[key], args=[owner.encode(), lease_ms]))
+
+    def release_lease(self, p: int, owner: str) -> None:
+        key = self.keys.fragment(p).lease
+        pipe = self.r.pipeline(transaction=True)
+        try:
+            pipe.watch(key)
+            if pipe.get(key) == owner.encode():
+                pipe.multi()
+                pipe.delete(key)
+                pipe.execute()
+        except redis.WatchError:
+            pass
+        finally:
+            pipe.reset()
+
+    def load_state(self, p: int) -> tuple[bytes | None, bytes | None]:
+        fk = self.keys.fragment(p)
+        state, snap = self.r.mget([fk.state, fk.global_])
+        return state, snap
+
+    def load_sent(self, p: int, versions: Iterable[int]) -> dict[int, bytes]:
+        fk = self.keys.fragment(p)
+        vs = list(versions)
+        blobs = self.r.mget([fk.sent(v) for v in vs]) if vs else []
+        return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
+
+    def commit_round(self, p: int, owner: str, *, state: bytes, snapshot: bytes, version: int,
+                     record: Mapping[str, str | int | float], ack_ids: list[str],
+                     drop_sent_version: int | None, extra_sent: Mapping[int, bytes] | None = None
+                     ) -> str:
+        """Commit one closed round atomically, fenced by the lease. Returns the record id.
+
+        Raises:
+            LeaseLost: another syncer holds the fragment; nothing was written.
+        """
+        fk = self.keys.fragment(p)
+        pipe = self.r.pipeline(transaction=True)
+        try:
+            pipe.watch(fk.lease)
+            if pipe.get(fk.lease) != owner.encode():
+                raise LeaseLost(f"fragment {p}: lease held by another syncer")
+            pipe.multi()
+            pipe.set(fk.state, state)
+            pipe.set(fk.global_, snapshot)
+            pipe.set(fk.sent(version), snapshot)
+            for v, blob in (extra_sent or {}).items():
+                pipe.set(fk.sent(v), blob)
+            if drop_sent_version is not None and drop_sent_version >= 0:
+                pipe.delete(fk.sent(drop_sent_version))
+            pipe.xadd(fk.rounds, {k: (json.dumps(v) if isinstance(v, list | dict) else v)
+                                  for k, v in record.items()})
+            if ack_ids:
+                pipe.xack(fk.frags, GROUP, *ack_ids)
+            result = pipe.execute()
+        except redis.WatchError as e:
+            raise LeaseLost(f"fragment {p}: lease changed during the commit") from e
+        finally:
+            pipe.reset()
+        return _id(result[-2] if ack_ids else result[-1])
+
+    def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
+        """Write version 0 if the fragment has no state yet (fenced by the lease)."""
+        fk = self.keys.fragment(p)
+        pipe = self.r.pipeline(transaction=True)
+        try:
+            pipe.watch(fk.lease, fk.state)
+            if pipe.get(fk.lease) != owner.encode():
+                raise LeaseLost(f"fragment {p}: lease held by another syncer")
+            if pipe.exists(fk.state):
+                return False
+            pipe.multi()
+            pipe.set(fk.state, state)
+            pipe.set(fk.global_, snapshot)
+            pipe.set(fk.sent(0), snapshot)
+            pipe.execute()
+            return True
+        except redis.WatchError as e:
+            raise LeaseLost(f"fragment {p}: lease changed during initialisation") from e
+        finally:
+            pipe.reset()
+
+    def trim(self, p: int, min_id: str) -> int:
+        """Drop fragment entries older than `min_id` (merged long enough ago)."""
+        return int(self.r.xtrim(self.keys.fragment(p).frags, minid=min_id, approximate=False))
+
+    @staticmethod
+    def _entries(reply, by_key: Mapping[str, int]) -> list[Entry]:
+        out = []
+        for key, items in reply or []:
+            p = by_key[_id(key)]
+            for entry_id, fields in items:
+                out.append(Entry(p, _id(entry_id), fields or {}))
+        return out

@@ -1,0 +1,86 @@
+"""A run's output folder: config.toml, metrics.jsonl, summary.json, loss.png, checkpoint.npz."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import config as cfgmod
+from pipeline.config import RunConfig
+
+
+def new_run_dir(root: str | Path, run: str) -> Path:
+    """`root/run` (created). An existing folder gets a numeric suffix instead of being reused."""
+    base = Path(root) / run
+    path, i = base, 1
+    while path.exists():
+        path = Path(f"{base}-{i}")
+        i += 1
+    path.mkdir(parents=True)
+    return path
+
+
+class MetricsLog:
+    """Append-only JSON lines; every record gets the wall time `t` it was written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fh = open(path, "a", buffering=1)
+
+    def write(self, kind: str, record: Mapping) -> None:
+        self._fh.write(json.dumps({"kind": kind, "t": time.time(), **record}) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def write_config(run_dir: Path, cfg: RunConfig) -> None:
+    (run_dir / "config.toml").write_text(cfgmod.dumps_toml(cfg))
+
+
+def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig,
+                    versions: list[int] | None = None) -> None:
+    """The global parameters as .npz, with the configuration (TOML text) inside."""
+    arrays = {f"param/{k}": np.asarray(v, np.float32) for k, v in params.items()}
+    arrays["config_toml"] = np.array(cfgmod.dumps_toml(cfg))
+    if versions is not None:
+        arrays["versions"] = np.asarray(versions, np.int64)
+    np.savez(path, **arrays)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:
+    import tomllib
+
+    with np.load(path) as z:
+        params = {k[len("param/"):]: z[k] for k in z.files if k.startswith("param/")}
+        cfg = cfgmod.from_dict(tomllib.loads(str(z["config_toml"])))
+    return params, cfg
+
+
+def plot_loss(path: Path, series: Mapping[str, list[dict]], x: str = "tokens",
+              title: str = "") -> None:
+    """Evaluation loss vs `x` ("tokens" or "wall_s"), one line per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for name, hist in series.items():
+        pts = [(h[x], h["eval_loss"]) for h in hist if x in h]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", markersize=2.5, label=name)
+    ax.set_xlabel("tokens processed (all learners)" if x == "tokens" else "wall time (s)")
+    ax.set_ylabel("evaluation loss (nats/byte)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,120 @@
+"""`diloco bench`: benchmarks whose results go to BENCHMARKS.md.
+
+``quality`` runs the in-process engine at equal tokens: ddp vs sync-diloco vs decoupled
+(int4 up / bf16 down, and bf16 both ways), plus two ablations (radial-directional averaging
+vs plain mean; K=1 with vs without the grace window with learner speeds 1, 1, 1, 1/3), and
+reports final loss and accuracy, the gap to ddp and the measured bandwidth ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import time
+from pathlib import Path
+
+from ops import artifacts
+from ops.common import add_config_args, config_from_args, make_corpus
+from pipeline import config as cfgmod
+from pipeline.config import RunConfig
+from pipeline.engine import Engine
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results for BENCHMARKS.md)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    q = bsub.add_parser("quality", help="ddp vs sync-diloco vs decoupled at equal tokens")
+    add_config_args(q, mode=False)
+    q.add_argument("--out", default="runs/bench-quality", help="output folder")
+    q.add_argument("--only", default="", help="comma-separated subset of variant names")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=run_quality)
+    try:
+        bench_pipeline = importlib.import_module("ops.bench_pipeline")
+    except ModuleNotFoundError as e:
+        if e.name != "ops.bench_pipeline":
+            raise
+    else:
+        bench_pipeline.register(bsub)
+
+
+def bench_model_config() -> RunConfig:
+    """The quality benchmark's base: a small byte-level model, M=4, shipped sync defaults."""
+    return cfgmod.from_dict({
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
+        "data": {"max_bytes": 8_000_000, "eval_batches": 16},
+        "inner": {"lr": 1e-3, "warmup_steps": 50, "batch_size": 16},
+        "engine": {"eval_every": 100},
+        "learners": 4, "steps": 1500,
+    })
+
+
+def variants(base: RunConfig) -> dict[str, RunConfig]:
+    """Name → configuration of every run in the quality benchmark."""
+    M = base.learners
+    slow = (1.0,) * (M - 1) + (1.0 / 3.0,)
+    o = cfgmod.override
+    return {
+        "ddp": o(base, mode="ddp"),
+        "sync-diloco": o(base, mode="sync-diloco", **{"sync.codec_up": "fp32",
+                                                      "sync.codec_down": "fp32"}),
+        "decoupled int4/bf16": o(base, mode="decoupled"),
+        "decoupled bf16/bf16": o(base, mode="decoupled", **{"sync.codec_up": "bf16"}),
+        "decoupled plain mean": o(base, mode="decoupled", **{"sync.merge": "mean"}),
+        "K=1 + grace, slow learner": o(base, mode="decoupled", **{"engine.speeds": list(slow)}),
+        "K=1 no grace, slow learner": o(base, mode="decoupled", **{
+            "engine.speeds": list(slow), "sync.grace_max_s": 0.0}),
+    }
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    base = config_from_args(args, base=bench_model_config())
+    runs = variants(base)
+    if args.only:
+        keep = [s.strip() for s in args.only.split(",")]
+        runs = {k: v for k, v in runs.items() if k in keep}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = make_corpus(base)
+    results = {}
+    from ops.wire import codec_sizes
+
+    for name, cfg in runs.items():
+        t0 = time.perf_counter()
+        s = Engine(cfg, corpus, wire=codec_sizes()).run()
+        s["compute_s"] = time.perf_counter() - t0
+        results[name] = s
+        print(f"{name:28s} loss {s['final_eval_loss']:.4f} acc {s['final_eval_accuracy']:.4f} "
+              f"ratio {s['bandwidth_ratio_vs_ddp']:7.1f}x goodput {s['goodput']:.3f} "
+              f"({s['compute_s']:.0f} s)", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
+                        title=f"eval loss vs tokens, M={base.learners}, in-process engine")
+    md = quality_markdown(results, base)
+    (out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
+def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
+    ddp = results.get("ddp", {}).get("final_eval_loss")
+    lines = [
+        f"Machine: {platform.machine()}, {platform.python_implementation()} "
+        f"{platform.python_version()}; model d_model {base.model.d_model}, {base.model.n_layers} "
+        f"layers, seq {base.model.seq_len}, batch {base.inner.batch_size}; M={base.learners}, "
+        f"{base.steps} inner steps per learner; H={base.sync.sync_every}, P={base.sync.fragments}, "
+        f"τ={base.sync.overlap_steps}, K={base.sync.quorum}.",
+        "",
+        "| run | final eval loss | gap to ddp | next-byte accuracy | bytes/token ratio vs fp32 "
+        "ring all-reduce | goodput | rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in results.items():
+        gap = f"{100 * (s['final_eval_loss'] / ddp - 1):+.2f}%" if ddp else "n/a"
+        ratio = "1 (baseline)" if s["mode"] == "ddp" else f"{s['bandwidth_ratio_vs_ddp']:.0f}×"
+        lines.append(f"| {name} | {s['final_eval_loss']:.4f} | {gap} | "
+                     f"{s['final_eval_accuracy']:.4f} | {ratio} | {s['goodput']:.3f} | "
+                     f"{s['rounds']} |")
+    return "\n".join(lines) + "\n"

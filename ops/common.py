@@ -1,0 +1,78 @@
+"""Helpers shared by the `diloco` subcommands: configuration from file + flags, data, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline import config as cfgmod
+from pipeline import data
+from pipeline.config import ConfigError, RunConfig
+
+
+def add_config_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
+    """Flags every run-like command shares; they override the TOML file."""
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument("--learners", type=int, help="number of learners M")
+    p.add_argument("--steps", type=int, help="inner steps per learner")
+    p.add_argument("--seed", type=int, help="seed of the run")
+    if mode:
+        p.add_argument("--mode", choices=cfgmod.MODES, help="ddp, sync-diloco or decoupled")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any field, e.g. --set sync.fragments=2 (TOML value syntax)")
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`--set a.b=1` pairs → overrides (values parsed as TOML, bare words as strings)."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """The configuration: defaults or --config FILE, then flags, validated."""
+    cfg = cfgmod.load(args.config) if getattr(args, "config", None) else (base or RunConfig())
+    updates: dict[str, Any] = {}
+    for name in ("learners", "steps", "seed", "mode"):
+        value = getattr(args, name, None)
+        if value is not None:
+            updates[name] = value
+    updates.update(parse_set(getattr(args, "set", []) or []))
+    if "learners" in updates and "sync.quorum" not in updates and cfg.sync.quorum > updates[
+            "learners"]:
+        updates["sync.quorum"] = updates["learners"]
+    return cfgmod.override(cfg, **updates) if updates else cfgmod.validate(cfg)
+
+
+def make_corpus(cfg: RunConfig) -> data.Corpus:
+    toks = data.load_tokens(cfg.data)
+    return data.make_corpus(toks, cfg.learners, cfg.model.seq_len, cfg.data.eval_fraction,
+                            cfg.seed)
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, sort_keys=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def fail(msg: str, code: int = 2) -> int:
+    print(f"diloco: error: {msg}", file=sys.stderr)
+    return code

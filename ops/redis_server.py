@@ -1,0 +1,97 @@
+"""An embedded redis-server: a free port, a temporary folder, AOF persistence, clean shutdown."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: "
+                "`sudo apt-get install -y redis-server`; macOS: `brew install redis`) or pass "
+                "--redis-url redis://HOST:PORT/0 to use a running server.")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """Start with `start()`, stop with `stop()` (or use as a context manager).
+
+    Args:
+        workdir: folder for the AOF and logs (default: a new temporary folder, removed on stop).
+        appendonly: AOF with appendfsync everysec (survives a restart with at most ~1 s lost).
+        port: TCP port (default: a free one).
+    """
+
+    def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
+                 port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError(INSTALL_HINT)
+        self._tmp = None if workdir else tempfile.mkdtemp(prefix="diloco-redis-")
+        self.workdir = Path(workdir or self._tmp)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.appendonly = appendonly
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
+                "--protected-mode", "yes", "--logfile", str(self.workdir / "redis.log"),
+                "--maxmemory-policy", "noeviction"]
+        if self.appendonly:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.workdir / "redis.log")
+                    tail = log.read_text()[-2000:] if log.exists() else ""
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}: "
+                                       f"{tail}") from e
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests); the folder and its AOF stay."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,26 @@
+"""Byte counts of the real wire codec, injected into the in-process engine."""
+
+from __future__ import annotations
+
+from broker import codec
+from pipeline.engine import WireSizes
+from pipeline.learner import Push
+from pipeline.syncer import RoundResult
+
+
+def _push_bytes(push: Push, learner: str) -> int:
+    meta = codec.EntryMeta(learner, push.fragment, push.base_version, push.step, push.steps,
+                           push.tokens, next(iter(push.payload.values())).codec)
+    fields = codec.entry_fields(meta, push.payload)
+    return sum(len(str(k)) + (len(v) if isinstance(v, bytes | str) else len(str(v)))
+               for k, v in fields.items())
+
+
+def _publish_bytes(r: RoundResult, run: str = "run") -> int:
+    frames = codec.global_frames(run, r.fragment, r.version, r.sent)
+    return sum(len(memoryview(f).cast("B")) for f in frames)
+
+
+def codec_sizes() -> WireSizes:
+    """WireSizes that count exactly what the Redis entry and the ZeroMQ message carry."""
+    return WireSizes(push=_push_bytes, publish=_publish_bytes)

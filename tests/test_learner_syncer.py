@@ -1,0 +1,399 @@
+"""Tests of pipeline.learner.LearnerCore driven by hand, and a hand-checked end-to-end of two
+LearnerCores talking to FragmentSyncers (no engine, no I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline import quant
+from pipeline.config import OuterConfig, SyncConfig
+from pipeline.fragments import partition
+from pipeline.learner import LearnerCore
+from pipeline.syncer import Contribution, FragmentSyncer
+
+F32 = np.float32
+FC = "h0.mlp.fc"
+SHAPES = {"wte": (2,), FC: (3,)}
+FRAGS = partition(SHAPES, 2)  # [["wte"], ["h0.mlp.fc"]]
+# P = 2, H = 4 -> Δh = 2: step 2 pushes fragment 1, step 4 fragment 0, step 6 fragment 1, ...
+CFG = dataclasses.replace(SyncConfig(), fragments=2, sync_every=4, overlap_steps=1,
+                          codec_up="fp32")
+BASE = {"wte": np.array([1.0, 2.0], F32), FC: np.array([1.0, 2.0, 3.0], F32)}
+# a fake inner step subtracts G (exact binary fractions): after k steps θ = base − k·G
+G = {"wte": np.array([0.25, -0.5], F32), FC: np.array([0.5, 0.25, -0.125], F32)}
+V = {FC: np.array([10.0, 20.0, 30.0], F32)}  # a merged value for fragment 1
+TOKENS = 8
+
+
+def test_fragments_of_the_fake_model():
+    assert FRAGS == [["wte"], [FC]]
+    assert CFG.delta_h == 2
+
+
+def make(cfg=CFG, base_versions=(0, 0)):
+    core = LearnerCore("a", FRAGS, cfg, BASE, list(base_versions))
+    params = {k: jnp.asarray(v) for k, v in BASE.items()}
+    return core, params
+
+
+def inner(params, g=G):
+    return {k: params[k] - g[k] for k in params}
+
+
+def run(core, params, steps, g=G, tokens=TOKENS):
+    """Inner steps `steps`; returns params and {step: [pushes]} of the steps that pushed."""
+    out = {}
+    for t in steps:
+        params = inner(params, g)
+        params, pushes = core.after_step(t, tokens, params)
+        if pushes:
+            out[t] = pushes
+    return params, out
+
+
+def decoded(push):
+    return {k: quant.dequantize(q) for k, q in push.payload.items()}
+
+
+def np_(params, name):
+    return np.asarray(params[name])
+
+
+def test_push_schedule_and_deltas():
+    core, params = make()
+    params, pushes = run(core, params, range(1, 13))
+    # step 2 -> fragment 1, 4 -> 0, 6 and 8: fragment still in flight (6 − 2 = 4 <= H = 4),
+    # 10 -> fragment 1 again (10 − 2 = 8 > 4: superseded), 12 -> fragment 0 (12 − 4 = 8 > 4)
+    assert {t: [p.fragment for p in ps] for t, ps in pushes.items()} == {
+        2: [1], 4: [0], 10: [1], 12: [0]}
+    p2, p4, p10, p12 = (pushes[t][0] for t in (2, 4, 10, 12))
+    # δ = base − θ = k·G after k steps, counters since the last applied value
+    np.testing.assert_array_equal(decoded(p2)[FC], 2 * G[FC])  # [1, 0.5, −0.25]
+    assert (p2.base_version, p2.step, p2.steps, p2.tokens) == (0, 2, 2, 16)
+    np.testing.assert_array_equal(decoded(p4)["wte"], 4 * G["wte"])  # [1, −2]
+    assert (p4.base_version, p4.step, p4.steps, p4.tokens) == (0, 4, 4, 32)
+    np.testing.assert_array_equal(decoded(p10)[FC], 10 * G[FC])  # [5, 2.5, −1.25]
+    assert (p10.base_version, p10.step, p10.steps, p10.tokens) == (0, 10, 10, 80)
+    np.testing.assert_array_equal(decoded(p12)["wte"], 12 * G["wte"])
+    assert set(p2.payload) == {FC} and set(p4.payload) == {"wte"}
+    assert p2.payload[FC].codec == "fp32"
+    assert p2.nbytes == 3 * 4 and p4.nbytes == 2 * 4
+    assert core.inflight[1].step == 10 and core.inflight[0].step == 12
+    assert core.applied == 0
+
+
+def test_on_global_not_newer_is_refused():
+    core, params = make()
+    params, _ = run(core, params, range(1, 3))
+    assert core.on_global(1, 0, V) is False  # equal to the base version
+    assert core.on_global(1, -1, V) is False
+    assert core.on_global(1, 1, V) is True
+    assert core.on_global(1, 1, V) is False  # equal to the pending version
+    assert core.on_global(1, 0, V) is False
+    assert core.pending[1][0] == 1
+    assert core.on_global(1, 2, V) is True  # a newer one replaces the pending one
+    assert core.pending[1][0] == 2
+
+
+def test_overwrite_applied_tau_steps_after_push():
+    core, params = make()
+    params, pushes = run(core, params, range(1, 3))
+    assert [p.fragment for p in pushes[2]] == [1]
+    assert core.on_global(1, 1, V)
+    assert core.apply_at(1) == 3  # push step 2 + τ 1
+    assert core.apply_at(0) is None
+    np.testing.assert_array_equal(np_(params, FC), BASE[FC] - 2 * G[FC])  # not yet applied
+    params, _ = run(core, params, [3])
+    np.testing.assert_array_equal(np_(params, FC), V[FC])  # overwritten
+    np.testing.assert_array_equal(np_(params, "wte"), BASE["wte"] - 3 * G["wte"])  # untouched
+    assert params[FC].dtype == jnp.float32
+    assert core.base_version == [0, 1]
+    np.testing.assert_array_equal(core.base[1][FC], V[FC])
+    assert core.steps == [3, 0] and core.tokens == [24, 0]
+    assert core.inflight[1] is None and core.pending[1] is None
+    assert core.applied == 1
+    # the next push of fragment 1 (step 6) is anchored on version 1: δ = V − (V − 3G) = 3G
+    params, pushes = run(core, params, range(4, 7))
+    p6 = pushes[6][0]
+    assert (p6.fragment, p6.base_version, p6.steps, p6.tokens) == (1, 1, 3, 24)
+    np.testing.assert_allclose(decoded(p6)[FC], 3 * G[FC], rtol=1e-6)
+
+
+def test_apply_waits_exactly_tau_steps():
+    cfg = dataclasses.replace(CFG, overlap_steps=3)
+    core, params = make(cfg)
+    params, _ = run(core, params, range(1, 3))  # push of fragment 1 at step 2
+    core.on_global(1, 1, V)
+    assert core.apply_at(1) == 5
+    params, _ = run(core, params, [3, 4])
+    np.testing.assert_array_equal(np_(params, FC), BASE[FC] - 4 * G[FC])
+    assert core.pending[1] is not None
+    params, _ = run(core, params, [5])
+    np.testing.assert_array_equal(np_(params, FC), V[FC])
+
+
+def test_late_value_applied_at_once():
+    core, params = make()
+    params, _ = run(core, params, range(1, 5))  # push at 2, due at 3, nothing arrived
+    np.testing.assert_array_equal(np_(params, FC), BASE[FC] - 4 * G[FC])
+    core.on_global(1, 1, V)
+    params = core.apply_due(4, params)  # 4 >= 3: applied on arrival
+    np.testing.assert_array_equal(np_(params, FC), V[FC])
+    assert core.base_version == [0, 1]
+
+
+def test_rebase_keeps_progress_since_push():
+    core, params = make(dataclasses.replace(CFG, apply="rebase"))
+    params, _ = run(core, params, range(1, 3))  # θ_at_push = base − 2G
+    np.testing.assert_array_equal(core.inflight[1].theta_at_push[FC], BASE[FC] - 2 * G[FC])
+    core.on_global(1, 1, V)
+    params, _ = run(core, params, [3])  # θ_now = base − 3G
+    # Θ + (θ_now − θ_at_push) = V − G = [9.5, 19.75, 30.125]
+    np.testing.assert_array_equal(np_(params, FC), V[FC] - G[FC])
+    np.testing.assert_array_equal(np_(params, FC), [9.5, 19.75, 30.125])
+    assert core.base_version == [0, 1]
+
+
+def test_overwrite_keeps_no_theta_at_push():
+    core, params = make()
+    run(core, params, range(1, 3))
+    assert core.inflight[1].theta_at_push is None
+
+
+def test_mix_alpha():
+    core, params = make(dataclasses.replace(CFG, mix_alpha=0.25))
+    params, _ = run(core, params, range(1, 3))
+    core.on_global(1, 1, V)
+    params, _ = run(core, params, [3])
+    # 0.25·θ_now + 0.75·V, θ_now = [1, 2, 3] − 3·[0.5, 0.25, −0.125] = [−0.5, 1.25, 3.375]
+    #   = [−0.125 + 7.5, 0.3125 + 15, 0.84375 + 22.5] = [7.375, 15.3125, 23.34375]
+    np.testing.assert_allclose(np_(params, FC), [7.375, 15.3125, 23.34375], rtol=1e-7)
+
+
+def test_value_without_push_in_flight_is_held():
+    core, params = make()
+    params, _ = run(core, params, [1])  # no push yet
+    assert core.on_global(1, 1, V)
+    assert core.apply_at(1) is None  # held: local progress is kept
+    # step 2: the held value is not applied; fragment 1 is pushed from base version 0
+    params, pushes = run(core, params, [2])
+    np.testing.assert_array_equal(np_(params, FC), BASE[FC] - 2 * G[FC])
+    p = pushes[2][0]
+    assert (p.fragment, p.base_version, p.steps) == (1, 0, 2)
+    np.testing.assert_array_equal(decoded(p)[FC], 2 * G[FC])
+    # ... and applied τ = 1 step after that push
+    assert core.apply_at(1) == 3
+    params, _ = run(core, params, [3])
+    np.testing.assert_array_equal(np_(params, FC), V[FC])
+    assert core.base_version == [0, 1]
+
+
+def test_value_at_max_staleness_is_held():
+    core, params = make()
+    params, _ = run(core, params, [1])
+    # max_staleness 4: version 4 is 4 ahead of base 0, not more -> held
+    assert core.on_global(1, CFG.max_staleness, V)
+    assert core.apply_at(1) is None
+
+
+def test_value_too_far_ahead_applied_at_once():
+    core, params = make()
+    params, _ = run(core, params, [1])
+    # version 5 is 5 > max_staleness 4 ahead of base 0: a push from base 0 would be dropped
+    assert core.on_global(1, CFG.max_staleness + 1, V)
+    assert core.apply_at(1) == 0
+    params, pushes = run(core, params, [2])
+    np.testing.assert_array_equal(np_(params, FC), V[FC])
+    assert core.base_version == [0, 5]
+    # applied before the push check: the counters were reset, so nothing to push at step 2
+    assert pushes == {}
+    assert core.inflight[1] is None
+
+
+def test_blocked_only_in_strict_mode():
+    core, params = make()
+    params, _ = run(core, params, range(1, 4))
+    assert core.inflight[1] is not None
+    assert not any(core.blocked(t) for t in range(0, 10))
+
+    core, params = make(dataclasses.replace(CFG, strict=True))
+    assert not core.blocked(0)
+    params, _ = run(core, params, range(1, 3))  # push at 2, due at 3
+    assert not core.blocked(2)
+    params, _ = run(core, params, [3])
+    assert core.blocked(3)  # step 3 done, merged value of the step-2 push missing
+    np.testing.assert_array_equal(np_(params, FC), BASE[FC] - 3 * G[FC])
+    core.on_global(1, 1, V)
+    assert not core.blocked(3)
+    params = core.apply_due(3, params)
+    np.testing.assert_array_equal(np_(params, FC), V[FC])
+    assert not core.blocked(3)
+
+
+def test_push_all():
+    core, params = make()
+    assert core.push_all(0, params) == []  # no progress anywhere
+    params, _ = run(core, params, range(1, 4))  # fragment 1 in flight since step 2
+    out = core.push_all(3, params)
+    assert [p.fragment for p in out] == [0]
+    p = out[0]
+    assert (p.base_version, p.step, p.steps, p.tokens) == (0, 3, 3, 24)
+    np.testing.assert_array_equal(decoded(p)["wte"], 3 * G["wte"])
+    assert core.push_all(3, params) == []  # both in flight now
+
+
+# -- end to end: two learners, one syncer per fragment, fp32 codecs ------------------------------
+
+E2E_SYNC = dataclasses.replace(CFG, codec_down="fp32", quorum=2, merge="rda")
+GA = {"wte": np.array([0.25, 0.0], F32), FC: np.array([1.5, 2.0, 0.0], F32)}
+GB = {"wte": np.array([0.0, 0.5], F32), FC: np.array([0.0, 0.0, 2.5], F32)}
+TOK = {"a": 8, "b": 16}
+
+
+def test_end_to_end_two_learners():
+    syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), E2E_SYNC)
+               for p, f in enumerate(FRAGS)]
+    start = {n: v for s in syncers for n, v in s.sent_values.items()}
+    cores = {m: LearnerCore(m, FRAGS, E2E_SYNC, start, [0, 0]) for m in "ab"}
+    params = {m: {k: jnp.asarray(v) for k, v in start.items()} for m in "ab"}
+    grads = {"a": GA, "b": GB}
+    live = frozenset("ab")
+    clock = [0.0]
+
+    def step(t):
+        out = {}
+        for m in "ab":
+            params[m] = inner(params[m], grads[m])
+            params[m], pushes = cores[m].after_step(t, TOK[m], params[m])
+            out[m] = pushes
+        return out
+
+    def deliver(m, push):
+        clock[0] += 0.1
+        c = Contribution(m, push.fragment, push.base_version, push.step, push.steps,
+                         push.tokens, decoded(push), entry_id=f"{m}{push.step}")
+        return syncers[push.fragment].offer(c, clock[0])
+
+    def close_and_publish(p):
+        d = syncers[p].decide(clock[0], live, 1.0)
+        assert d.close and "all 2 live learners contributed" in d.reason
+        r = syncers[p].close(clock[0], d.reason)
+        value = {k: quant.dequantize(q) for k, q in r.sent.items()}
+        for m in "ab":
+            assert cores[m].on_global(p, r.version, value)
+        return r
+
+    # -- round 1 of fragment 1 (steps 1, 2; pushes at step 2)
+    # δ_a = 2·[1.5, 2, 0] = [3, 4, 0] (‖·‖ 5), tokens 16 over 2 steps -> w_a = 16²/2 = 128
+    # δ_b = 2·[0, 0, 2.5] = [0, 0, 5] (‖·‖ 5), tokens 32 over 2 steps -> w_b = 32²/2 = 512
+    # RDA: radius (128·5 + 512·5)/640 = 5; mean direction (1·[.6, .8, 0] + 4·[0, 0, 1])/5
+    #   = [0.12, 0.16, 0.8], ‖·‖ = √0.68 -> Δ1 = 5·[0.12, 0.16, 0.8]/√0.68
+    #   = [0.6, 0.8, 4]/√0.68 = [0.727607, 0.970143, 4.850713]
+    # Nesterov first step: Θ(1) = Θ(0) − 0.7·1.9·Δ1 = [1, 2, 3] − 1.33·Δ1
+    #   = [0.032283, 0.709710, −3.451448]
+    step(1)
+    pushes = step(2)
+    for m in "ab":
+        assert [p.fragment for p in pushes[m]] == [1]
+    assert deliver("a", pushes["a"][0]) == (True, "accepted")
+    assert not syncers[1].decide(clock[0], live, 1.0).close  # 1/2: waiting for quorum
+    assert deliver("b", pushes["b"][0]) == (True, "accepted")
+    r1 = close_and_publish(1)
+    delta1 = np.array([0.6, 0.8, 4.0]) / math.sqrt(0.68)
+    theta1_fc = BASE[FC] - 1.33 * delta1
+    np.testing.assert_allclose(delta1, [0.727607, 0.970143, 4.850713], rtol=1e-6)
+    np.testing.assert_allclose(r1.theta[FC], theta1_fc, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r1.theta[FC], [0.032283, 0.709710, -3.451448], atol=1e-5)
+    assert [(e[1], e[2]) for e in r1.included] == [("a", 128.0), ("b", 512.0)]
+    assert r1.version == 1 and r1.tokens == 48 and r1.steps == 4
+
+    # step 3 = push + τ: both learners take Θ(1) (overwrite)
+    step(3)
+    for m in "ab":
+        np.testing.assert_array_equal(np_(params[m], FC), r1.theta[FC])
+        assert cores[m].base_version == [0, 1]
+
+    # -- round 1 of fragment 0 (embeddings, weighted mean; pushes at step 4)
+    # δ_a = 4·[0.25, 0] = [1, 0], tokens 32 over 4 -> w = 256;  δ_b = 4·[0, 0.5] = [0, 2],
+    # tokens 64 over 4 -> w = 1024;  mean = (1·[1, 0] + 4·[0, 2])/5 = [0.2, 1.6]
+    # Θ_wte(1) = [1, 2] − 1.33·[0.2, 1.6] = [0.734, −0.128]
+    pushes = step(4)
+    for m in "ab":
+        assert [p.fragment for p in pushes[m]] == [0]
+        deliver(m, pushes[m][0])
+    r0 = close_and_publish(0)
+    np.testing.assert_allclose(r0.theta["wte"], [0.734, -0.128], rtol=1e-5, atol=1e-6)
+    step(5)
+    for m in "ab":
+        np.testing.assert_allclose(np_(params[m], "wte"), [0.734, -0.128], rtol=1e-5,
+                                   atol=1e-6)
+
+    # -- round 2 of fragment 1 (steps 4, 5, 6 since Θ(1); pushes at step 6, base version 1)
+    # δ_a = 3·[1.5, 2, 0] = [4.5, 6, 0] (‖·‖ 7.5), tokens 24 over 3 -> w = 192
+    # δ_b = 3·[0, 0, 2.5] = [0, 0, 7.5] (‖·‖ 7.5), tokens 48 over 3 -> w = 768  (1 : 4 again)
+    # RDA: radius 7.5, same direction -> Δ2 = 1.5·Δ1
+    # Nesterov: m1 = Δ1, m2 = Δ2 + 0.9·m1 = 2.4·Δ1, update = Δ2 + 0.9·m2 = 3.66·Δ1
+    #   Θ(2) = Θ(1) − 0.7·3.66·Δ1 = Θ(0) − (1.33 + 2.562)·Δ1 = [1, 2, 3] − 3.892·Δ1
+    pushes = step(6)
+    for m in "ab":
+        p = pushes[m][0]
+        assert (p.fragment, p.base_version, p.steps) == (1, 1, 3)
+        deliver(m, p)
+    r2 = close_and_publish(1)
+    assert r2.version == 2
+    assert [(e[1], e[2], e[3]) for e in r2.included] == [("a", 192.0, 0), ("b", 768.0, 0)]
+    np.testing.assert_allclose(r2.theta[FC], BASE[FC] - 3.892 * delta1, rtol=1e-5, atol=1e-5)
+    step(7)
+    for m in "ab":
+        np.testing.assert_allclose(np_(params[m], FC), r2.theta[FC], rtol=0, atol=0)
+        assert cores[m].base_version == [1, 2]
+        assert cores[m].applied == 3
+
+
+def test_end_to_end_stale_learner_is_anchored():
+    # Learner b misses round 1 of fragment 1 and pushes from base version 0 into round 2.
+    sync = dataclasses.replace(E2E_SYNC, quorum=1)
+    lr1 = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)  # Θ(v+1) = Θ(v) − Δ
+    s = FragmentSyncer(1, {FC: BASE[FC]}, lr1, sync)
+    start = {"wte": BASE["wte"], FC: s.sent_values[FC]}
+    cores = {m: LearnerCore(m, FRAGS, sync, start, [0, 0]) for m in "ab"}
+    pa = {k: jnp.asarray(v) for k, v in start.items()}
+    pb = dict(pa)
+    pa = inner(pa, GA)
+    pa, _ = cores["a"].after_step(1, 8, pa)
+    pa = inner(pa, GA)
+    pa, push_a = cores["a"].after_step(2, 8, pa)
+    ca = push_a[0]
+    s.offer(Contribution("a", 1, ca.base_version, 2, ca.steps, ca.tokens, decoded(ca)), 1.0)
+    r1 = s.close(1.1, "quorum 1")
+    # Θ(1) = Θ(0) − δ_a = θ_a = [1, 2, 3] − [3, 4, 0] = [−2, −2, 3]
+    np.testing.assert_allclose(r1.theta[FC], [-2, -2, 3], rtol=1e-6)
+    pb = inner(pb, GB)
+    pb, _ = cores["b"].after_step(1, 16, pb)
+    pb = inner(pb, GB)
+    pb, push_b = cores["b"].after_step(2, 16, pb)
+    cb = push_b[0]
+    assert cb.base_version == 0
+    assert s.offer(Contribution("b", 1, cb.base_version, 2, cb.steps, cb.tokens,
+                                decoded(cb)), 2.0) == (True, "accepted")
+    r2 = s.close(2.1, "quorum 1")
+    # Δ = Θ(1) − Θ(0) + δ_b = [−3, −4, 0] + [0, 0, 5] = [−3, −4, 5];  Θ(2) = Θ(1) − Δ = θ_b
+    #   = [1, 2, 3] − [0, 0, 5] = [1, 2, −2]
+    np.testing.assert_allclose(r2.theta[FC], [1, 2, -2], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(r2.theta[FC], np_(pb, FC), rtol=1e-6, atol=1e-6)
+    assert r2.included[0][3] == 1
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4"])
+def test_push_quantised_with_codec_up(codec):
+    core, params = make(dataclasses.replace(CFG, codec_up=codec))
+    _, pushes = run(core, params, range(1, 3))
+    q = pushes[2][0].payload[FC]
+    assert q.codec == codec
+    err = np.abs(quant.dequantize(q) - 2 * G[FC])
+    assert np.all(err <= quant.error_bound(2 * G[FC], codec, CFG.quant_block))

@@ -1,0 +1,416 @@
+"""Tests of pipeline.outer, pipeline.merge and the staleness/dedup rules of FragmentSyncer."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import pickle
+
+import numpy as np
+import pytest
+
+from pipeline.config import OuterConfig, SyncConfig
+from pipeline.merge import StreamingMerge, anchored_delta, token_weight
+from pipeline.outer import init_state, outer_optimizer, outer_step
+from pipeline.syncer import Contribution, FragmentSyncer
+
+F32 = np.float32
+
+# -- outer optimiser ------------------------------------------------------------------------------
+
+
+def test_nesterov_trajectory_hand_values():
+    # optax sgd, lr 0.7, momentum 0.9, Nesterov; outer gradient g = 1 every step, θ0 = 0:
+    #   step 1: trace m1 = g = 1;             update = g + 0.9·m1 = 1.9  -> θ1 = −0.7·1.9  = −1.33
+    #   step 2: m2 = g + 0.9·m1 = 1.9;        update = 1 + 0.9·1.9 = 2.71 -> θ2 = −1.33 − 1.897
+    #                                                                        = −3.227
+    #   step 3: m3 = 1 + 0.9·1.9 = 2.71;      update = 1 + 0.9·2.71 = 3.439
+    #                                          -> θ3 = −3.227 − 0.7·3.439 = −3.227 − 2.4073
+    #                                                = −5.6343
+    opt = outer_optimizer(OuterConfig())
+    theta = {"w": np.zeros(1, F32)}
+    state = init_state(opt, theta)
+    got = []
+    for _ in range(3):
+        theta, state = outer_step(opt, theta, {"w": np.ones(1, F32)}, state)
+        assert theta["w"].dtype == F32 and isinstance(theta["w"], np.ndarray)
+        got.append(float(theta["w"][0]))
+    np.testing.assert_allclose(got, [-1.33, -3.227, -5.6343], rtol=1e-6)
+
+
+def test_outer_step_sign_moves_toward_learner():
+    # Δ = Θ − θ_learner; with lr 1 and no momentum Θ ← Θ − Δ = θ_learner
+    opt = outer_optimizer(OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    theta = {"w": np.array([1.0, 2.0], F32)}
+    learner = np.array([0.5, 3.0], F32)
+    state = init_state(opt, theta)
+    new, _ = outer_step(opt, theta, {"w": theta["w"] - learner}, state)
+    np.testing.assert_array_equal(new["w"], learner)
+
+
+def test_heavy_ball_without_nesterov():
+    # lr 0.5, momentum 0.5, no Nesterov, g = 1: m1 = 1 -> θ1 = −0.5; m2 = 1.5 -> θ2 = −1.25
+    opt = outer_optimizer(OuterConfig(lr=0.5, momentum=0.5, nesterov=False))
+    theta = {"w": np.zeros(1, F32)}
+    state = init_state(opt, theta)
+    theta, state = outer_step(opt, theta, {"w": np.ones(1, F32)}, state)
+    assert float(theta["w"][0]) == -0.5
+    theta, state = outer_step(opt, theta, {"w": np.ones(1, F32)}, state)
+    assert float(theta["w"][0]) == -1.25
+
+
+# -- token weights and anchoring ------------------------------------------------------------------
+
+
+def test_token_weight():
+    assert token_weight(100, 4) == 2500.0  # 100² / 4
+    assert token_weight(3, 9) == 1.0  # 9 / 9
+    assert token_weight(7, 1) == 49.0
+    for tokens, steps in [(100, 0), (100, -1), (0, 5), (-3, 5)]:
+        with pytest.raises(ValueError):
+            token_weight(tokens, steps)
+
+
+def test_anchored_delta_hand_values():
+    current = {"a": np.array([5.0, 1.0], F32), "b": np.array([0.0], F32)}
+    base_sent = {"a": np.array([4.0, 2.0], F32), "b": np.array([-1.0], F32)}
+    delta = {"a": np.array([0.5, 0.25], F32), "b": np.array([2.0], F32)}
+    out = anchored_delta(current, base_sent, delta)
+    # a: (5 − 4) + 0.5 = 1.5, (1 − 2) + 0.25 = −0.75;   b: (0 − (−1)) + 2 = 3
+    np.testing.assert_array_equal(out["a"], [1.5, -0.75])
+    np.testing.assert_array_equal(out["b"], [3.0])
+    assert set(out) == {"a", "b"}
+
+
+# -- StreamingMerge -------------------------------------------------------------------------------
+
+
+def _merge(method, name, items):
+    m = StreamingMerge({name: (len(items[0][0]),)}, method)
+    for vec, w in items:
+        m.add({name: np.asarray(vec, F32)}, w)
+    return m.result()[name]
+
+
+def test_rda_hand_values():
+    # Δ1 = [3, 4] (‖·‖ = 5) w = 1;  Δ2 = [0, 2] (‖·‖ = 2) w = 3;  Σw = 4
+    #   radius    = (1·5 + 3·2) / 4 = 2.75
+    #   mean dir  = (1·[0.6, 0.8] + 3·[0, 1]) / 4 = [0.15, 0.95],  ‖·‖ = √0.925 = 0.961769
+    #   result    = 2.75 · [0.15, 0.95] / √0.925 = [0.428897, 2.716348]
+    got = _merge("rda", "h0.mlp.fc", [([3, 4], 1.0), ([0, 2], 3.0)])
+    expect = 2.75 * np.array([0.15, 0.95]) / math.sqrt(0.925)
+    np.testing.assert_allclose(got, expect, rtol=1e-6)
+    np.testing.assert_allclose(got, [0.428897, 2.716348], rtol=1e-5)
+    assert got.dtype == F32
+    assert float(np.linalg.norm(got)) == pytest.approx(2.75, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["wte", "wpe"])
+def test_embeddings_use_weighted_mean(name):
+    # (1·[3, 4] + 3·[0, 2]) / 4 = [0.75, 2.5]
+    got = _merge("rda", name, [([3, 4], 1.0), ([0, 2], 3.0)])
+    np.testing.assert_allclose(got, [0.75, 2.5], rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["wte", "h0.mlp.fc", "lnf.g"])
+def test_mean_method_is_weighted_mean_for_all(name):
+    got = _merge("mean", name, [([3, 4], 1.0), ([0, 2], 3.0)])
+    np.testing.assert_allclose(got, [0.75, 2.5], rtol=1e-7)
+
+
+def test_rda_mixed_fragment():
+    m = StreamingMerge({"wte": (2,), "h0.attn.qkv": (2,)}, "rda")
+    m.add({"wte": np.array([3, 4], F32), "h0.attn.qkv": np.array([3, 4], F32)}, 1.0)
+    m.add({"wte": np.array([0, 2], F32), "h0.attn.qkv": np.array([0, 2], F32)}, 3.0)
+    r = m.result()
+    np.testing.assert_allclose(r["wte"], [0.75, 2.5], rtol=1e-7)
+    np.testing.assert_allclose(r["h0.attn.qkv"], [0.428897, 2.716348], rtol=1e-5)
+    assert m.count == 2 and m.total_weight == 4.0
+
+
+def test_rda_zero_contribution():
+    # Δ1 = [3, 4] w = 1, Δ2 = 0 w = 3: φ(0) = 0, ‖0‖ = 0
+    #   radius = (1·5 + 3·0) / 4 = 1.25;  direction φ([0.15, 0.2]) = [0.6, 0.8]
+    #   result = 1.25·[0.6, 0.8] = [0.75, 1.0]
+    got = _merge("rda", "h0.mlp.fc", [([3, 4], 1.0), ([0, 0], 3.0)])
+    np.testing.assert_allclose(got, [0.75, 1.0], rtol=1e-6)
+    assert np.all(np.isfinite(got))
+
+
+def test_rda_all_zero_and_cancelling_directions_give_zero():
+    got = _merge("rda", "h0.mlp.fc", [([0, 0], 1.0), ([0, 0], 2.0)])
+    np.testing.assert_array_equal(got, [0.0, 0.0])
+    # [1, 0] and [−2, 0] with equal weight: directions cancel -> 0 (not NaN)
+    got = _merge("rda", "h0.mlp.fc", [([1, 0], 1.0), ([-2, 0], 1.0)])
+    np.testing.assert_array_equal(got, [0.0, 0.0])
+
+
+def test_rda_single_contribution_is_identity():
+    got = _merge("rda", "h0.mlp.fc", [([1, -2, 2], 7.0)])
+    np.testing.assert_allclose(got, [1, -2, 2], rtol=1e-6)
+
+
+def test_merge_order_independent():
+    rng = np.random.default_rng(0)
+    shapes = {"wte": (3, 4), "h0.mlp.fc": (7, 5), "lnf.g": (6,)}
+    deltas = [{k: rng.normal(size=s).astype(F32) for k, s in shapes.items()} for _ in range(5)]
+    weights = rng.uniform(0.5, 5.0, size=5)
+    for method in ("rda", "mean"):
+        ref = None
+        for perm in itertools.permutations(range(5)):
+            m = StreamingMerge(shapes, method)
+            for i in perm:
+                m.add(deltas[i], float(weights[i]))
+            r = m.result()
+            if ref is None:
+                ref = r
+            for k in shapes:
+                np.testing.assert_allclose(r[k], ref[k], rtol=1e-7, atol=1e-7)
+
+
+def test_merge_errors():
+    with pytest.raises(ValueError, match="no contributions"):
+        StreamingMerge({"h0.mlp.fc": (2,)}).result()
+    with pytest.raises(ValueError, match=r"sync\.merge"):
+        StreamingMerge({"h0.mlp.fc": (2,)}, "median")
+    m = StreamingMerge({"h0.mlp.fc": (2,)})
+    for w in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="weight"):
+            m.add({"h0.mlp.fc": np.ones(2, F32)}, w)
+    with pytest.raises(ValueError, match="do not match"):
+        m.add({"other": np.ones(2, F32)}, 1.0)
+    assert m.count == 0
+
+
+# -- FragmentSyncer: staleness, drops, dedup, persistence -----------------------------------------
+
+NAME = "h0.mlp.fc"
+SYNC = dataclasses.replace(SyncConfig(), codec_down="fp32", codec_up="fp32", quorum=1,
+                           max_staleness=2)
+# lr 1, no momentum: Θ(v+1) = Θ(v) − Δ, so the merged outer gradient is Θ(v) − Θ(v+1)
+SGD1 = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
+THETA0 = np.array([1.0, 2.0, 3.0, 4.0], F32)
+
+
+def contrib(learner, base, step, delta, steps=2, tokens=100, entry=None, name=NAME):
+    return Contribution(learner=learner, fragment=0, base_version=base, step=step, steps=steps,
+                        tokens=tokens, delta={name: np.asarray(delta, F32)},
+                        entry_id=entry or f"{learner}-{base}-{step}")
+
+
+def new_syncer(outer=SGD1, sync=SYNC):
+    return FragmentSyncer(0, {NAME: THETA0}, outer, sync)
+
+
+def test_fresh_contribution_merged_and_closed():
+    s = new_syncer()
+    assert s.version == 0
+    ok, reason = s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), now_s=1.0)
+    assert (ok, reason) == (True, "accepted")
+    d = s.decide(1.0, frozenset({"a"}), step_time_s=1.0)
+    assert d.close
+    r = s.close(1.5, d.reason)
+    # Δ = Θ(0) − Θ̃(0) + δ = δ;  Θ(1) = Θ(0) − δ = [0.5, 2, 3, 4]
+    assert r.version == 1 and s.version == 1
+    np.testing.assert_allclose(r.theta[NAME], [0.5, 2, 3, 4], rtol=1e-6)
+    # weight = 100² / 2 = 5000, staleness 0
+    assert r.included == [("a-0-2", "a", 5000.0, 0)]
+    assert r.tokens == 100 and r.steps == 2 and r.dropped == []
+    np.testing.assert_array_equal(s.sent_values[NAME], r.theta[NAME])  # fp32 down link
+    assert r.sent_hash and len(r.sent_hash) == 64
+
+
+def test_stale_contribution_is_anchored():
+    s = new_syncer()
+    s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
+    theta1 = s.close(2.0, "r1").theta[NAME].copy()  # [0.5, 2, 3, 4]
+    # b computed δ against Θ(0) and arrives at version 1 (stale by 1):
+    #   Δ = Θ(1) − Θ(0) + δ = [−0.5, 0, 0, 0] + [0, 1, 0, −1] = [−0.5, 1, 0, −1]
+    delta_b = np.array([0, 1, 0, -1], F32)
+    assert s.offer(contrib("b", 0, 2, delta_b), 3.0) == (True, "accepted")
+    r = s.close(4.0, "r2")
+    merged = theta1 - r.theta[NAME]
+    np.testing.assert_allclose(merged, theta1 - THETA0 + delta_b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(merged, [-0.5, 1, 0, -1], rtol=1e-6, atol=1e-6)
+    # Θ(2) = Θ(1) − Δ = Θ(0) − δ_b = [1, 1, 3, 5]: exactly b's parameters
+    np.testing.assert_allclose(r.theta[NAME], [1, 1, 3, 5], rtol=1e-6)
+    assert r.included[0][3] == 1  # staleness recorded
+
+
+def test_stale_contribution_with_nesterov_outer():
+    # Same rounds with the default outer optimiser; replay the two expected outer gradients
+    # δ_a and Θ(1) − Θ(0) + δ_b on an independent optimiser.
+    s = new_syncer(outer=OuterConfig())
+    delta_a = np.array([0.5, 0, 0, 0], F32)
+    delta_b = np.array([0, 1, 0, -1], F32)
+    s.offer(contrib("a", 0, 2, delta_a), 1.0)
+    theta1 = s.close(2.0, "r1").theta[NAME].copy()
+    s.offer(contrib("b", 0, 2, delta_b), 3.0)
+    theta2 = s.close(4.0, "r2").theta[NAME]
+    opt = outer_optimizer(OuterConfig())
+    t = {NAME: THETA0}
+    st = init_state(opt, t)
+    t, st = outer_step(opt, t, {NAME: delta_a}, st)
+    # Θ(1) = Θ(0) − 1.33·δ_a = [1 − 0.665, 2, 3, 4]
+    np.testing.assert_allclose(t[NAME], [0.335, 2, 3, 4], rtol=1e-6)
+    np.testing.assert_allclose(theta1, t[NAME], rtol=1e-6)
+    t, st = outer_step(opt, t, {NAME: t[NAME] - THETA0 + delta_b}, st)
+    np.testing.assert_allclose(theta2, t[NAME], rtol=1e-5, atol=1e-6)
+
+
+def test_too_stale_dropped_and_recorded():
+    s = new_syncer()
+    for v in range(3):  # versions 1, 2, 3
+        s.offer(contrib("a", v, 2 * (v + 1), [0.1, 0, 0, 0]), float(v))
+        s.close(float(v) + 0.5, "r")
+    assert s.version == 3
+    assert list(s.history) == [1, 2, 3]  # max_staleness + 1 = 3 values kept
+    ok, reason = s.offer(contrib("c", 0, 2, [1, 1, 1, 1], entry="e-old"), 10.0)
+    # staleness 3 − 0 = 3 > max_staleness 2
+    assert not ok and "stale" in reason
+    assert "base version 0" in reason and "global version 3" in reason
+    assert s.pending_drops == [("e-old", reason)]
+    # staleness exactly 2 is still accepted (anchored on Θ̃(1))
+    assert s.offer(contrib("d", 1, 2, [0, 0, 0, 0]), 11.0) == (True, "accepted")
+    r = s.close(12.0, "r4")
+    assert r.dropped == [("e-old", reason)]
+    assert [(e[1], e[3]) for e in r.included] == [("d", 2)]
+
+
+def test_base_version_ahead_dropped():
+    s = new_syncer()
+    ok, reason = s.offer(contrib("a", 1, 2, [0, 0, 0, 0], entry="e-ahead"), 0.0)
+    assert not ok and "ahead" in reason and "global version 0" in reason
+    assert s.pending_drops == [("e-ahead", reason)]
+    assert s.contributors == frozenset()
+
+
+def test_duplicate_refused_and_not_recorded():
+    s = new_syncer()
+    c = contrib("a", 0, 2, [0.5, 0, 0, 0])
+    assert s.offer(c, 0.0)[0]
+    assert s.offer(c, 0.1) == (False, "duplicate")
+    s.close(1.0, "r1")
+    # still a duplicate after the round closed (same learner, base_version, step)
+    assert s.offer(contrib("a", 0, 2, [9, 9, 9, 9], entry="other"), 2.0) == (False, "duplicate")
+    # a dropped contribution is remembered too
+    bad = contrib("b", 0, 4, [np.nan, 0, 0, 0])
+    assert not s.offer(bad, 2.0)[0]
+    assert s.offer(bad, 2.1) == (False, "duplicate")
+    assert len(s.pending_drops) == 1  # only the first (non-finite) refusal is recorded
+
+
+def test_second_contribution_of_same_learner_deferred():
+    s = new_syncer()
+    assert s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 0.0)[0]
+    later = contrib("a", 0, 6, [1, 0, 0, 0])
+    ok, reason = s.offer(later, 0.1)
+    assert not ok and reason.startswith("defer")
+    assert s.pending_drops == []
+    s.close(1.0, "r1")
+    # after the close it is accepted (not remembered as seen), stale by 1
+    assert s.offer(later, 1.1) == (True, "accepted")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_dropped(bad):
+    s = new_syncer()
+    ok, reason = s.offer(contrib("a", 0, 2, [0, bad, 0, 0], entry="e-nan"), 0.0)
+    assert not ok and "non-finite" in reason
+    assert s.pending_drops == [("e-nan", reason)]
+    assert s.contributors == frozenset()
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {NAME: np.zeros(3, F32)},
+        {NAME: np.zeros((4, 1), F32)},
+        {"h0.mlp.proj": np.zeros(4, F32)},
+        {NAME: np.zeros(4, F32), "h0.mlp.proj": np.zeros(4, F32)},
+        {},
+    ],
+)
+def test_wrong_shapes_or_names_dropped(delta):
+    s = new_syncer()
+    c = Contribution("a", 0, 0, 2, 2, 100, delta, entry_id="e-shape")
+    ok, reason = s.offer(c, 0.0)
+    assert not ok and "names and shapes" in reason
+    assert s.pending_drops == [("e-shape", reason)]
+
+
+@pytest.mark.parametrize("steps,tokens", [(0, 100), (2, 0)])
+def test_empty_contribution_dropped(steps, tokens):
+    s = new_syncer()
+    ok, reason = s.offer(contrib("a", 0, 2, [1, 0, 0, 0], steps=steps, tokens=tokens), 0.0)
+    assert not ok and "empty" in reason
+
+
+def test_take_drops_flushes():
+    s = new_syncer()
+    s.offer(contrib("a", 5, 2, [0, 0, 0, 0], entry="x"), 0.0)
+    drops = s.take_drops()
+    assert [e for e, _ in drops] == ["x"]
+    assert s.pending_drops == [] and s.take_drops() == []
+
+
+def test_first_arrival_at_time_zero_recorded():
+    # BUG (pipeline/syncer.py, FragmentSyncer.close: `first_arrival_s=r.first_arrival_s or now_s`
+    # and `quorum_s=r.quorum_reached_s or now_s`): an arrival at t = 0.0 is falsy, so the round
+    # record reports the close time instead. Expected first_arrival_s = quorum_s = 0.0,
+    # actual 5.0.
+    s = new_syncer()
+    s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), now_s=0.0)
+    r = s.close(5.0, "r1")
+    assert r.closed_s == 5.0
+    assert r.first_arrival_s == 0.0
+    assert r.quorum_s == 0.0
+
+
+def _two_tensor_syncer():
+    sync = dataclasses.replace(SYNC, quorum=2)
+    theta = {NAME: THETA0, "h0.mlp.proj": np.array([[1.0, -1.0], [0.5, 2.0]], F32)}
+    return FragmentSyncer(3, theta, OuterConfig(), sync), sync
+
+
+def _c2(learner, base, step, scale, tokens=100):
+    return Contribution(learner, 3, base, step, 2, tokens,
+                        {NAME: scale * np.array([1, -2, 3, 0.5], F32),
+                         "h0.mlp.proj": scale * np.array([[1, 0], [0, -1]], F32)},
+                        entry_id=f"{learner}{base}{step}")
+
+
+def test_state_dict_round_trip_then_identical_closes():
+    s, sync = _two_tensor_syncer()
+    s.offer(_c2("a", 0, 2, 0.1), 1.0)
+    s.offer(_c2("b", 0, 2, 0.3, tokens=50), 1.2)
+    s.close(1.5, "r1")
+    s.offer(_c2("a", 1, 4, -0.2), 2.0)
+    s.offer(_c2("b", 0, 4, 0.05), 2.1)  # stale by 1
+    s.close(2.5, "r2")
+    s.record_sync_time(0.25)
+    d = pickle.loads(pickle.dumps(s.state_dict()))
+    t = FragmentSyncer.from_state_dict(d, OuterConfig(), sync)
+    assert t.version == s.version == 2 and t.fragment == 3
+    assert t.seen == s.seen and t.sync_time_s == 0.25
+    assert list(t.history) == list(s.history)
+    for k in s.theta:
+        np.testing.assert_array_equal(t.theta[k], s.theta[k])
+    # replaying an already merged contribution is still refused after the restore
+    assert t.offer(_c2("a", 1, 4, -0.2), 3.0) == (False, "duplicate")
+    # identical subsequent rounds (with stale contributions, so history and momentum matter)
+    for v, now in ((2, 3.0), (3, 4.0)):
+        results = []
+        for syncer in (s, t):
+            assert syncer.offer(_c2("a", v - 1, 10 + v, 0.07 * v), now)[0]
+            assert syncer.offer(_c2("b", v, 10 + v, -0.03, tokens=80), now + 0.1)[0]
+            dec = syncer.decide(now + 0.2, frozenset("ab"), 1.0)
+            assert dec.close
+            results.append(syncer.close(now + 0.3, dec.reason))
+        r1, r2 = results
+        assert r1.version == r2.version == v + 1
+        assert r1.sent_hash == r2.sent_hash
+        assert r1.included == r2.included
+        for k in r1.theta:
+            np.testing.assert_array_equal(r1.theta[k], r2.theta[k])

@@ -1,0 +1,64 @@
+"""What both roles do on start: connect, fetch and check the run configuration, lay out shapes."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from broker import codec, registry
+from broker.connection import connect
+from broker.keys import RunKeys
+from pipeline import config as cfgmod
+from pipeline import quant
+from pipeline.config import RunConfig
+from pipeline.fragments import partition
+from pipeline.model import param_shapes
+
+
+@dataclass
+class RunContext:
+    r: redis.Redis
+    keys: RunKeys
+    cfg: RunConfig
+    run_hash: str
+    shapes: dict[str, tuple[int, ...]]
+    fragments: list[list[str]]
+
+
+def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
+             wait_s: float = 30.0) -> RunContext:
+    """Connect and load the run configuration stored in Redis (waiting up to `wait_s`).
+
+    Raises:
+        ConfigMismatch: `expect_hash` is given and differs from the stored hash.
+    """
+    keys = RunKeys(run)
+    probe = connect(redis_url)
+    toml_text, run_hash = registry.load_config(probe, keys, wait_s=wait_s)
+    cfg = cfgmod.from_dict(tomllib.loads(toml_text))
+    if cfg.run_hash() != run_hash:
+        raise cfgmod.ConfigError(f"stored configuration of run {run!r} does not match its hash")
+    if expect_hash is not None:
+        registry.check_config(probe, keys, expect_hash)
+    r = connect(redis_url, socket_timeout_s=cfg.broker.socket_timeout_s,
+                block_ms=cfg.broker.block_ms)
+    probe.close()
+    shapes = param_shapes(cfg.model)
+    frags = partition(shapes, cfg.effective_sync().fragments)
+    return RunContext(r, keys, cfg, run_hash, shapes, frags)
+
+
+def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
+    return {k: quant.dequantize(q) for k, q in tensors.items()}
+
+
+def read_snapshot(ctx: RunContext, p: int) -> tuple[int, dict[str, np.ndarray]] | None:
+    """(version, decoded values) of fragment p's latest published value, or None."""
+    blob = ctx.r.get(ctx.keys.fragment(p).global_)
+    if blob is None:
+        return None
+    header, tensors = codec.unpack_snapshot(blob, max_bytes=ctx.cfg.broker.max_payload_bytes)
+    return header.version, decode_values(tensors)

@@ -1,0 +1,304 @@
+"""The learner role: inner AdamW steps on its data shard, fragment pushes, merged values in.
+
+A loop around the pure learner state machine (`pipeline.learner.LearnerCore`) and the network
+thread (`workers.learner_net`). The loop never blocks on the network, except in blocking modes
+(sync-diloco, or `sync.strict`), where waiting for the merged value is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import queue
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zmq
+
+from broker import codec, registry
+from broker.errors import BrokerError
+from pipeline import data
+from pipeline.learner import LearnerCore, Push
+from pipeline.train import inner_optimizer, make_step
+from workers.common import RunContext, open_run, read_snapshot
+from workers.learner_net import LearnerNet
+
+log = logging.getLogger("diloco.learner")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """One learner process. Everything about the run comes from Redis."""
+
+    redis_url: str
+    run: str
+    learner_id: str = "L0"
+    shard: int | None = None       # data shard (default: the number in the id)
+    pace_s: float = 0.0            # pad every inner step to this wall time (emulated chips)
+    delay_s: float = 0.0           # extra time per step (an emulated slow learner)
+    sync: bool = True              # False: train alone (the "syncing off" baseline)
+    wait_config_s: float = 60.0
+    final_timeout_s: float = 300.0
+    fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
+
+
+def fragment_hash(values: dict[str, np.ndarray], names: list[str]) -> str:
+    h = hashlib.sha256()
+    for n in names:
+        h.update(np.ascontiguousarray(values[n], np.float32).tobytes())
+    return h.hexdigest()
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, ctx: RunContext, zctx: zmq.Context):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run_cfg = ctx.cfg
+        self.sync = ctx.cfg.effective_sync()
+        self.id = cfg.learner_id
+        shard = cfg.shard
+        if shard is None:
+            m = re.search(r"(\d+)$", cfg.learner_id)
+            shard = int(m.group(1)) if m else 0
+        if not 0 <= shard < ctx.cfg.learners:
+            raise ValueError(f"learner {cfg.learner_id}: shard {shard} is out of range "
+                             f"[0, {ctx.cfg.learners - 1}]")
+        self.shard = shard
+        self.net = LearnerNet(ctx, self.id, zctx)
+        self.tokens_per_step = ctx.cfg.inner.batch_size * ctx.cfg.model.seq_len
+        self.secs = [0.0] * len(ctx.fragments)
+        self.step_s = 0.0
+
+    def _join(self) -> None:
+        """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
+        self.net.start()
+        values: dict[str, np.ndarray] = {}
+        versions = []
+        deadline = time.monotonic() + self.cfg.wait_config_s
+        for p in range(len(self.ctx.fragments)):
+            snap = read_snapshot(self.ctx, p)
+            while snap is None:
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"fragment {p} has no global value in Redis; is a syncer "
+                                      f"running for run {self.ctx.keys.run!r}?")
+                time.sleep(0.1)
+                snap = read_snapshot(self.ctx, p)
+            versions.append(snap[0])
+            values.update(snap[1])
+            self.net._last_version[p] = snap[0]
+        self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+        self.params = {k: jnp.asarray(values[k]) for k in self.ctx.shapes}
+        rejoin = any(versions)
+        registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
+                       versions=versions, pid=os.getpid())
+
+    def _drain_inbox(self, timeout_s: float = 0.0) -> int:
+        n = 0
+        try:
+            item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
+                self.net.inbox.get_nowait()
+            while True:
+                p, version, values = item
+                self.core.on_global(p, version, values)
+                n += 1
+                item = self.net.inbox.get_nowait()
+        except queue.Empty:
+            return n
+
+    def _send(self, push: Push, final: bool = False) -> None:
+        fields = codec.entry_fields(codec.EntryMeta(
+            self.id, push.fragment, push.base_version, push.step, push.steps, push.tokens,
+            self.sync.codec_up), push.payload)
+        fields["seconds"] = f"{self.secs[push.fragment]:.6f}"
+        fields["final"] = "1" if final else "0"
+        self.net.push(push.fragment, fields)
+
+    def _wait_until_unblocked(self) -> None:
+        """Blocking modes: wait for the merged value (repairing from the snapshot on timeout)."""
+        while self.core.blocked(self.step):
+            if not self._drain_inbox(timeout_s=self.ctx.cfg.broker.snapshot_timeout_s):
+                for p, f in enumerate(self.core.inflight):
+                    if f is not None and self.core.pending[p] is None:
+                        self.net.request_snapshot(p)
+        self.params = self.core.apply_due(self.step, self.params)
+
+    def _check_timeouts(self, now: float) -> None:
+        for p, f in enumerate(self.core.inflight):
+            if f is None or self.core.pending[p] is not None:
+                continue
+            sent_at = self._push_time.get(p)
+            if sent_at is not None and now - sent_at > self.ctx.cfg.broker.snapshot_timeout_s:
+                self.net.request_snapshot(p)
+                self._push_time[p] = now
+
+    def train(self) -> None:
+        cfg, run_cfg = self.cfg, self.run_cfg
+        self._join()
+        corpus = data.make_corpus(data.load_tokens(run_cfg.data), run_cfg.learners,
+                                  run_cfg.model.seq_len, run_cfg.data.eval_fraction, run_cfg.seed)
+        opt = inner_optimizer(run_cfg.inner, run_cfg.steps)
+        step_fn = make_step(run_cfg.model, opt)
+        opt_state = opt.init(self.params)
+        self._push_time: dict[int, float] = {}
+        self.step = 0
+        tokens = 0
+        t_rate, tok_rate = time.monotonic(), 0
+        while self.step < run_cfg.steps:
+            t0 = time.monotonic()
+            self._drain_inbox()
+            batch = jnp.asarray(corpus.batch(self.shard, self.step, run_cfg.inner.batch_size))
+            self.params, opt_state, metrics = step_fn(self.params, opt_state, batch)
+            jax.block_until_ready(self.params)
+            self._pace(t0)
+            dt = time.monotonic() - t0
+            self.step += 1
+            tokens += self.tokens_per_step
+            self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
+            for p in range(len(self.secs)):
+                self.secs[p] += dt
+            if cfg.sync:
+                self.params, pushes = self.core.after_step(self.step, self.tokens_per_step,
+                                                           self.params)
+                self._reset_secs()
+                for push in pushes:
+                    self._send(push)
+                    self._push_time[push.fragment] = time.monotonic()
+                if self.core.blocked(self.step):
+                    self._wait_until_unblocked()
+                    self._reset_secs()
+                self._check_timeouts(time.monotonic())
+            now = time.monotonic()
+            if now - t_rate >= 1.0:
+                tps = (tokens - tok_rate) / (now - t_rate)
+                t_rate, tok_rate = now, tokens
+                self.net.info = {"step": self.step, "tokens": tokens, "tokens_per_s": tps,
+                                 "step_s": self.step_s, "versions": self.core.base_version,
+                                 "loss": float(metrics["loss"]), "pid": os.getpid(),
+                                 "host": socket.gethostname(), "shard": self.shard}
+            if cfg.fail_at_step and self.step == cfg.fail_at_step:
+                os._exit(19)  # fault injection: die abruptly mid-run
+            if self.net.stop_seen:
+                break
+        self.tokens = tokens
+
+    def _pace(self, t0: float) -> None:
+        target = max(self.cfg.pace_s, 0.0)
+        if self.cfg.delay_s > 0:
+            time.sleep(self.cfg.delay_s)
+        left = target - (time.monotonic() - t0)
+        if left > 0:
+            time.sleep(left)
+
+    def _reset_secs(self) -> None:
+        for p in range(len(self.secs)):
+            if self.core.steps[p] == 0:
+                self.secs[p] = 0.0
+
+    def finish(self) -> dict:
+        """Final flush: apply answers, push remaining progress, adopt the final global values."""
+        deadline = time.monotonic() + self.cfg.final_timeout_s
+        final: list[Push] = []
+        if self.cfg.sync:
+            while any(f is not None and self.core.pending[p] is None
+                      for p, f in enumerate(self.core.inflight)):
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"{self.id}: no merged value arrived for the final flush")
+                if not self._drain_inbox(timeout_s=1.0):
+                    for p, f in enumerate(self.core.inflight):
+                        if f is not None:
+                            self.net.request_snapshot(p)
+            self.params = self.core.apply_due(10**12, self.params)
+            final = self.core.push_all(self.step, self.params)
+            for push in final:
+                self._send(push, final=True)
+            if not self.net.wait_flushed(self.cfg.final_timeout_s):
+                raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
+        registry.mark_done(self.ctx.r, self.ctx.keys, self.id, {
+            "final": [p.fragment for p in final],
+            "steps": self.step, "tokens": self.tokens})
+        hashes = {}
+        if self.cfg.sync:
+            versions = self._wait_final_versions(deadline)
+            for p, v in versions.items():
+                while self.core.base_version[p] < v and (self.core.pending[p] is None
+                                                         or self.core.pending[p][0] < v):
+                    if time.monotonic() > deadline:
+                        raise BrokerError(f"{self.id}: final value of fragment {p} not received")
+                    if not self._drain_inbox(timeout_s=0.5):
+                        self.net.request_snapshot(p)
+            self.params = self.core.apply_due(10**12, self.params)
+            values = {k: np.asarray(v) for k, v in self.params.items()}
+            hashes = {str(p): fragment_hash(values, names)
+                      for p, names in enumerate(self.ctx.fragments)}
+        s = self.net.stats
+        report = {"hashes": hashes, "versions": list(self.core.base_version),
+                  "steps": self.step, "tokens": self.tokens, "bytes_sent": s.bytes_sent,
+                  "bytes_received": s.snapshot_bytes + self.net.sub.received_bytes,
+                  "pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
+                  "zmq_gaps": s.zmq_gaps, "snapshots_read": s.snapshots_read,
+                  "step_s": self.step_s}
+        registry.mark_done(self.ctx.r, self.ctx.keys, f"final:{self.id}", report)
+        registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
+        return report
+
+    def _wait_final_versions(self, deadline: float) -> dict[int, int]:
+        """Fragment → final version, once the syncers have closed every final round."""
+        n = len(self.ctx.fragments)
+        while True:
+            done = registry.done_reports(self.ctx.r, self.ctx.keys)
+            versions: dict[int, int] = {}
+            for k, rep in done.items():
+                if k.startswith("syncer:"):
+                    versions.update({int(p): int(v) for p, v in rep["versions"].items()})
+            if len(versions) >= n:
+                return versions
+            if time.monotonic() > deadline:
+                raise BrokerError(f"{self.id}: syncers did not finish the final rounds in time")
+            self._drain_inbox(timeout_s=0.2)
+
+
+def main(cfg: LearnerConfig) -> int:
+    """Train one learner to the run's step count, then take part in the final flush."""
+    ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
+    zctx = zmq.Context()
+    learner = Learner(cfg, ctx, zctx)
+    try:
+        learner.train()
+        learner.finish()
+        return 0
+    finally:
+        learner.net.close()
+        registry.leave(ctx.r, ctx.keys, cfg.learner_id)
+        zctx.term()
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--id", default="L0", help="learner id; its trailing number is the shard")
+    ap.add_argument("--shard", type=int, default=None, help="data shard (default: from --id)")
+    ap.add_argument("--pace-s", type=float, default=0.0,
+                    help="pad each inner step to this wall time (emulate dedicated chips)")
+    ap.add_argument("--delay-s", type=float, default=0.0, help="extra seconds per step")
+    ap.add_argument("--no-sync", action="store_true", help="train without syncing")
+    ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def config_from_args(a: argparse.Namespace) -> LearnerConfig:
+    return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
+                         not a.no_sync, fail_at_step=a.fail_at_step)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ap = argparse.ArgumentParser(prog="diloco learner")
+    add_args(ap)
+    sys.exit(main(config_from_args(ap.parse_args())))

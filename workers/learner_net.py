@@ -1,0 +1,183 @@
+"""The learner's network thread: pushes out, merged values in, heartbeats, snapshot repairs.
+
+The training loop never waits on Redis or ZeroMQ: it hands pushes to this thread and drains
+an inbox of decoded merged values between steps. The thread owns the SUB socket (ZeroMQ
+sockets are not thread-safe). Redis outages are ridden out with backoff; pushes wait in an
+in-memory queue until Redis takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+import zmq
+
+from broker import codec, registry
+from broker.errors import DecodeError
+from broker.pubsub import Subscriber
+from broker.streams import FragmentStreams
+from workers.common import RunContext, decode_values
+
+log = logging.getLogger("diloco.learner")
+
+
+@dataclass
+class NetStats:
+    pushes_attempted: int = 0
+    pushes_acked: int = 0
+    push_errors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0  # ZeroMQ frames + snapshot reads
+    snapshot_bytes: int = 0
+    snapshots_read: int = 0
+    zmq_gaps: int = 0
+    redis_down_s: float = 0.0
+    acked_ids: list[str] = field(default_factory=list)
+
+
+class LearnerNet(threading.Thread):
+    """Background I/O of one learner (see module docstring)."""
+
+    def __init__(self, ctx: RunContext, learner_id: str, zctx: zmq.Context):
+        super().__init__(name=f"net-{learner_id}", daemon=True)
+        self.ctx = ctx
+        self.id = learner_id
+        self.bcfg = ctx.cfg.broker
+        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
+        self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
+                              max_bytes=self.bcfg.max_payload_bytes)
+        self.outbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue()
+        self.snapshot_requests: queue.Queue = queue.Queue()
+        self.info: dict = {}
+        self.stats = NetStats()
+        self.stop_event = threading.Event()
+        self.stop_seen = False
+        self._unsent: list[tuple[int, dict]] = []
+        self._last_version: dict[int, int] = {}
+        self._flushed = threading.Condition()
+
+    # -- called from the training thread -----------------------------------------------------
+
+    def push(self, fragment: int, fields: dict) -> None:
+        self.stats.pushes_attempted += 1
+        self.outbox.put((fragment, fields))
+
+    def request_snapshot(self, fragment: int) -> None:
+        self.snapshot_requests.put(fragment)
+
+    def wait_flushed(self, timeout_s: float) -> bool:
+        """Block until every queued push is in Redis (or the timeout passes)."""
+        deadline = time.monotonic() + timeout_s
+        with self._flushed:
+            while self.outbox.unfinished_tasks or self._unsent:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._flushed.wait(min(left, 0.1))
+        return True
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        next_hb = next_ep = 0.0
+        down_since: float | None = None
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            try:
+                if now >= next_ep:
+                    self.sub.connect(registry.endpoints(self.ctx.r, self.ctx.keys))
+                    self.stop_seen = registry.stop_requested(self.ctx.r, self.ctx.keys)
+                    next_ep = now + 1.0
+                if now >= next_hb:
+                    registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, {
+                        **self.info, **self._stats_info()}, self.bcfg.heartbeat_ttl_s)
+                    next_hb = now + self.bcfg.heartbeat_s
+                self._send_pushes()
+                self._serve_snapshots()
+                if down_since is not None:
+                    self.stats.redis_down_s += now - down_since
+                    registry.event(self.ctx.r, self.ctx.keys, "reconnect", learner=self.id,
+                                   down_s=round(now - down_since, 3))
+                    down_since = None
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if down_since is None:
+                    down_since = now
+                    log.warning("%s: Redis unreachable (%s); training on, retrying", self.id, e)
+                next_ep = now + 0.5
+            self._receive(timeout_ms=20)
+        self.sub.close()
+
+    def _stats_info(self) -> dict:
+        s = self.stats
+        return {"pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "snapshots_read": s.snapshots_read}
+
+    def _send_pushes(self) -> None:
+        while True:
+            if not self._unsent:
+                try:
+                    item = self.outbox.get_nowait()
+                except queue.Empty:
+                    return
+                self._unsent.append(item)
+                self.outbox.task_done()
+            fragment, fields = self._unsent[0]
+            entry_id = self.streams.push(fragment, fields)  # raises when Redis is down
+            self._unsent.pop(0)
+            self.stats.pushes_acked += 1
+            self.stats.acked_ids.append(entry_id)
+            self.stats.bytes_sent += sum(len(k) + len(v if isinstance(v, bytes | str) else str(v))
+                                         for k, v in fields.items())
+            with self._flushed:
+                self._flushed.notify_all()
+
+    def _serve_snapshots(self) -> None:
+        wanted = set()
+        while True:
+            try:
+                wanted.add(self.snapshot_requests.get_nowait())
+            except queue.Empty:
+                break
+        for p in sorted(wanted):
+            blob = self.streams.read_global(p)
+            if blob is None:
+                continue
+            self.stats.snapshots_read += 1
+            self.stats.snapshot_bytes += len(blob)
+            try:
+                header, tensors = codec.unpack_snapshot(blob,
+                                                        max_bytes=self.bcfg.max_payload_bytes)
+            except DecodeError as e:
+                log.error("%s: snapshot of fragment %d is malformed: %s", self.id, p, e)
+                continue
+            self._deliver(header.fragment, header.version, tensors)
+
+    def _receive(self, timeout_ms: int) -> None:
+        msg = self.sub.recv(timeout_ms)
+        self.stats.bytes_received = self.stats.snapshot_bytes + self.sub.received_bytes
+        if msg is None:
+            return
+        header, tensors = msg
+        last = self._last_version.get(header.fragment)
+        if last is not None and header.version > last + 1:
+            # A missed message: the new one carries the whole value, so nothing is lost, but
+            # it is counted (a steady gap rate means the HWM is too small for the link).
+            self.stats.zmq_gaps += 1
+        self._deliver(header.fragment, header.version, tensors)
+
+    def _deliver(self, p: int, version: int, tensors: dict) -> None:
+        if version <= self._last_version.get(p, -1):
+            return
+        self._last_version[p] = version
+        self.inbox.put((p, version, decode_values(tensors)))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stop_event.set()
+        self.join(timeout_s)

@@ -1,0 +1,399 @@
+"""The syncer role: merge fragment streams into rounds, commit them in Redis, publish over ZeroMQ.
+
+A loop around three parts: the pure per-fragment state machine (`pipeline.syncer`), the Redis
+stream adapter (`broker.streams`) and the ZeroMQ publisher (`broker.pubsub`). A round's effects
+(state, snapshot, round record, XACKs) commit in one MULTI/EXEC fenced by the fragment lease;
+publishing happens after the commit, so a crash between the two only delays the publish (the
+restarted syncer re-publishes the committed values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from broker import codec, registry
+from broker.errors import DecodeError
+from broker.pubsub import Publisher
+from broker.state import pack_state, unpack_state
+from broker.streams import Entry, FragmentStreams, LeaseLost
+from pipeline import quant
+from pipeline.model import init_params
+from pipeline.syncer import Contribution, FragmentSyncer, RoundResult
+from workers.common import RunContext, decode_values, open_run
+
+log = logging.getLogger("diloco.syncer")
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """One syncer process. Everything about the run comes from Redis."""
+
+    redis_url: str
+    run: str
+    syncer_id: str = "syncer-0"
+    fragments: tuple[int, ...] = ()          # owned fragments; empty: all of them
+    bind: str = "tcp://127.0.0.1:0"          # PUB bind address (port 0: any free port)
+    advertise_host: str | None = None        # host learners connect to (default: bind host)
+    max_rounds: int = 0                      # stop after this many rounds (0: until run ends)
+    wait_config_s: float = 60.0
+    # Fault injection (chaos tests): exit abruptly at the N-th commit (1-based), before the
+    # commit or after it (before publishing). 0: never.
+    fail_before_commit: int = 0
+    fail_after_commit: int = 0
+
+
+@dataclass
+class _Frag:
+    core: FragmentSyncer
+    entries: dict[str, Entry] = field(default_factory=dict)       # entry id → open-round entry
+    ack_extra: list[str] = field(default_factory=list)            # duplicates/drops to ack
+    deferred: list[Entry] = field(default_factory=list)
+    final_seen: set[str] = field(default_factory=set)
+    finished: bool = False
+    recent_min_ids: list[str] = field(default_factory=list)       # oldest id of recent rounds
+
+
+class Syncer:
+    """State and loop of one syncer process (see module docstring)."""
+
+    def __init__(self, cfg: SyncerConfig, ctx: RunContext, ctx_zmq: zmq.Context):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run_cfg = ctx.cfg
+        self.sync = ctx.cfg.effective_sync()
+        self.bcfg = ctx.cfg.broker
+        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
+        self.owned = list(cfg.fragments) or list(range(len(ctx.fragments)))
+        self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm)
+        self.frags: dict[int, _Frag] = {}
+        self.live: frozenset[str] = frozenset()
+        self.step_time_s = 1.0
+        self.rounds = 0
+        self.commits = 0
+        self.last_reason = ""
+        self._next_live = 0.0
+        self._next_lease = 0.0
+        self._next_claim = 0.0
+        self.merged = 0
+        self.dropped = 0
+        self.dead_lettered = 0
+        self.quorum_wait_s = 0.0
+        self.grace_wait_s = 0.0
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        init = None
+        for p in self.owned:
+            while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
+                log.info("fragment %d is leased by another syncer; standing by", p)
+                time.sleep(self.bcfg.lease_ms / 3000)
+            self.streams.ensure_group(p)
+            state_blob, _ = self.streams.load_state(p)
+            if state_blob is None:
+                if init is None:
+                    init = {k: np.asarray(v) for k, v in
+                            init_params(self.run_cfg.model, self.run_cfg.seed).items()}
+                core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
+                                      self.run_cfg.outer, self.sync)
+                self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
+                                           snapshot=self._snapshot(core))
+                state_blob, _ = self.streams.load_state(p)
+            core = self._restore(p, state_blob)
+            self.frags[p] = _Frag(core)
+        registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
+        registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
+                       fragments=self.owned, endpoint=self.pub.endpoint)
+        for p, f in self.frags.items():  # re-publish what is committed (restart after a crash)
+            self._publish(p, f.core.version, f.core.sent)
+        for p in self.owned:  # entries this consumer read before a crash, never acknowledged
+            self._handle(self.streams.read_pending(self.cfg.syncer_id, p), check_deliveries=True)
+        self._claim(force=True)
+
+    def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
+        state = unpack_state(blob)
+        version = int(state["version"])
+        lo = max(0, version - self.sync.max_staleness)
+        history = {}
+        for v, snap in self.streams.load_sent(p, range(lo, version + 1)).items():
+            _, tensors = codec.unpack_snapshot(snap, max_bytes=self.bcfg.max_payload_bytes)
+            history[str(v)] = decode_values(tensors)
+        state["history"] = history
+        return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync)
+
+    def _state_blob(self, core: FragmentSyncer) -> bytes:
+        d = core.state_dict()
+        d.pop("history")  # kept as per-version snapshots (the `sent:<v>` keys)
+        return pack_state(d)
+
+    def _snapshot(self, core: FragmentSyncer) -> bytes:
+        return codec.pack_snapshot(self.ctx.keys.run, core.fragment, core.version, core.sent)
+
+    def _info(self) -> dict:
+        return {"endpoint": self.pub.endpoint, "fragments": self.owned, "pid": os.getpid(),
+                "host": socket.gethostname(), "rounds": self.rounds,
+                "versions": {str(p): f.core.version for p, f in self.frags.items()},
+                "last_reason": self.last_reason, "merged": self.merged, "dropped": self.dropped,
+                "dead_lettered": self.dead_lettered, "quorum_wait_s": self.quorum_wait_s,
+                "grace_wait_s": self.grace_wait_s, "sync_time_s": max(
+                    (f.core.sync_time_s for f in self.frags.values()), default=0.0)}
+
+    # -- entries ---------------------------------------------------------------------------------
+
+    def _handle(self, entries: list[Entry], check_deliveries: bool = False) -> None:
+        counts: dict[int, dict[str, int]] = {}
+        if check_deliveries:
+            for p in {e.fragment for e in entries}:
+                counts[p] = self.streams.delivery_counts(
+                    p, [e.entry_id for e in entries if e.fragment == p])
+        for e in entries:
+            if counts.get(e.fragment, {}).get(e.entry_id, 0) > self.bcfg.max_deliveries:
+                self._dead_letter(e, f"delivered more than {self.bcfg.max_deliveries} times")
+                continue
+            self._offer(e)
+
+    def _dead_letter(self, e: Entry, reason: str) -> None:
+        log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
+        self.streams.dead_letter(e.fragment, e, reason)
+        self.dead_lettered += 1
+        registry.event(self.ctx.r, self.ctx.keys, "dead-letter", fragment=e.fragment,
+                       entry=e.entry_id, reason=reason)
+
+    def _offer(self, e: Entry) -> None:
+        f = self.frags.get(e.fragment)
+        if f is None:
+            return
+        try:
+            meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes)
+            if meta.fragment != e.fragment:
+                raise DecodeError(f"entry says fragment {meta.fragment}, stream is {e.fragment}")
+            delta = decode_values(tensors)
+        except (DecodeError, ValueError) as err:
+            self._dead_letter(e, f"malformed entry: {err}")
+            return
+        c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step, meta.steps,
+                         meta.tokens, delta, entry_id=e.entry_id, nbytes=int(len(
+                             e.fields.get(b"payload", b""))))
+        ok, reason = f.core.offer(c, time.monotonic())
+        if reason.startswith("defer"):
+            f.deferred.append(e)
+            return
+        if e.fields.get(b"final") == b"1":
+            f.final_seen.add(meta.learner)
+        if ok:
+            f.entries[e.entry_id] = e
+            e.fields = {k: v for k, v in e.fields.items() if k != b"payload"}  # keep it small
+        else:
+            # duplicates and drops are acknowledged in the next commit; drops are recorded
+            if reason == "duplicate":
+                f.core.pending_drops.append((e.entry_id, "duplicate"))
+            f.ack_extra.append(e.entry_id)
+            self.dropped += 1
+
+    def _claim(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_claim:
+            return
+        self._next_claim = now + self.bcfg.claim_idle_ms / 2000
+        for p in self.owned:
+            claimed = self.streams.autoclaim(self.cfg.syncer_id, p, self.bcfg.claim_idle_ms)
+            mine = set(self.frags[p].entries) | {e.entry_id for e in self.frags[p].deferred}
+            self._handle([e for e in claimed if e.entry_id not in mine], check_deliveries=True)
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_live:
+            self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
+            self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
+            recs = registry.learner_records(self.ctx.r, self.ctx.keys)
+            times = [recs[n].get("step_s") for n in self.live if n in recs]
+            times = [t for t in times if t]
+            if times:
+                self.step_time_s = min(times)
+        if now >= self._next_lease:
+            self._next_lease = now + self.bcfg.lease_ms / 3000
+            for p in self.owned:
+                if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
+                    raise LeaseLost(f"fragment {p}: lease lost")
+            registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
+
+    def _maybe_close(self, p: int, final_expected: set[str] | None) -> None:
+        f = self.frags[p]
+        if not f.core.contributors:
+            if f.ack_extra and not f.entries:
+                self._commit_drops_only(p)
+            return
+        now = time.monotonic()
+        if final_expected is not None and final_expected <= f.final_seen:
+            self._close(p, "final flush", now)
+            return
+        d = f.core.decide(now, self.live, self.step_time_s)
+        if d.close:
+            self._close(p, d.reason, now)
+
+    def _commit_drops_only(self, p: int) -> None:
+        """Acknowledge refused entries when no round is open (their drop reasons are logged)."""
+        f = self.frags[p]
+        for entry_id, reason in f.core.take_drops():
+            registry.event(self.ctx.r, self.ctx.keys, "dropped", fragment=p, entry=entry_id,
+                           reason=reason)
+        self.streams.ack_only(p, f.ack_extra)
+        f.ack_extra = []
+
+    def _close(self, p: int, reason: str, now: float) -> None:
+        f = self.frags[p]
+        t0 = time.monotonic()
+        result = f.core.close(now, reason)
+        self.commits += 1
+        if self.cfg.fail_before_commit and self.commits == self.cfg.fail_before_commit:
+            os._exit(17)  # fault injection: die with the round merged but not committed
+        record = self._record(result, t0)
+        oldest = result.version - self.sync.max_staleness - 1
+        self.streams.commit_round(
+            p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=self._snapshot(f.core),
+            version=result.version, record=record, ack_ids=list(f.entries) + f.ack_extra,
+            drop_sent_version=oldest if oldest >= 0 else None)
+        if self.cfg.fail_after_commit and self.commits == self.cfg.fail_after_commit:
+            os._exit(18)  # fault injection: committed, never published
+        self._publish(p, result.version, result.sent)
+        f.core.record_sync_time(time.monotonic() - t0)
+        self.rounds += 1
+        self.merged += len(result.included)
+        self.quorum_wait_s = result.quorum_s - result.first_arrival_s
+        self.grace_wait_s = max(0.0, result.closed_s - result.quorum_s)
+        self.last_reason = reason
+        self._trim(p, f)
+        f.entries, f.ack_extra = {}, []
+        log.info("fragment %d v%d: %d merged, %d dropped (%s)", p, result.version,
+                 len(result.included), len(result.dropped), reason)
+        deferred, f.deferred = f.deferred, []
+        for e in deferred:
+            self._offer(e)
+
+    def _record(self, r: RoundResult, t0: float) -> dict:
+        return {
+            "version": r.version, "fragment": r.fragment, "reason": r.reason,
+            "included": [list(x) for x in r.included], "dropped": [list(x) for x in r.dropped],
+            "hash": r.sent_hash, "tokens": r.tokens, "steps": r.steps,
+            "seconds": [float(self.frags[r.fragment].entries[i].fields.get(b"seconds", b"0"))
+                        for i, *_ in r.included],
+            "quorum_wait_s": r.quorum_s - r.first_arrival_s,
+            "grace_wait_s": max(0.0, r.closed_s - r.quorum_s),
+            "merge_s": time.monotonic() - t0, "syncer": self.cfg.syncer_id,
+            "t": time.time(),
+        }
+
+    def _trim(self, p: int, f: _Frag) -> None:
+        ids = list(f.entries)
+        if not ids:
+            return
+        f.recent_min_ids.append(min(ids, key=_id_key))
+        keep = self.bcfg.keep_rounds
+        if keep and len(f.recent_min_ids) > keep:
+            cut = f.recent_min_ids.pop(0)
+            pending = [e.entry_id for e in f.deferred]
+            floor = min([cut] + pending, key=_id_key)
+            self.streams.trim(p, floor)
+
+    def _publish(self, p: int, version: int, sent: dict[str, quant.QTensor]) -> None:
+        self.pub.publish(codec.global_frames(self.ctx.keys.run, p, version, sent))
+
+    # -- loop ------------------------------------------------------------------------------------
+
+    def run_forever(self) -> int:
+        n_learners = self.run_cfg.learners
+        while True:
+            self._refresh()
+            entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=64,
+                                            block_ms=self.bcfg.block_ms)
+            self._handle(entries)
+            done = registry.done_reports(self.ctx.r, self.ctx.keys)
+            pushed = {k: v for k, v in done.items() if not k.startswith(("syncer:", "final:"))}
+            final = len(pushed) >= n_learners
+            expected = {p: {n for n, rep in pushed.items() if p in rep.get("final", [])}
+                        for p in self.owned} if final else {}
+            for p in self.owned:
+                if not self.frags[p].finished:
+                    self._maybe_close(p, expected.get(p))
+            self._claim()
+            if final:
+                for p in self.owned:
+                    f = self.frags[p]
+                    if (not f.finished and expected[p] <= f.final_seen and not f.core.contributors
+                            and not f.deferred):
+                        f.finished = True
+                        self._publish(p, f.core.version, f.core.sent)
+                if all(self.frags[p].finished for p in self.owned):
+                    versions = {str(p): self.frags[p].core.version for p in self.owned}
+                    registry.mark_done(self.ctx.r, self.ctx.keys, f"syncer:{self.cfg.syncer_id}",
+                                       {"versions": versions, "rounds": self.rounds})
+                    registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
+                                             self._info())
+                    return 0
+            if self.cfg.max_rounds and self.rounds >= self.cfg.max_rounds:
+                return 0
+            if registry.stop_requested(self.ctx.r, self.ctx.keys):
+                return 0
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def main(cfg: SyncerConfig) -> int:
+    """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
+    ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
+    zctx = zmq.Context()
+    s = Syncer(cfg, ctx, zctx)
+    try:
+        s.start()
+        return s.run_forever()
+    finally:
+        s.pub.close()
+        for p in s.owned:
+            s.streams.release_lease(p, cfg.syncer_id)
+        zctx.term()
+
+
+def parse_args(argv: list[str] | None = None) -> SyncerConfig:
+    ap = argparse.ArgumentParser(prog="diloco syncer")
+    add_args(ap)
+    return config_from_args(ap.parse_args(argv))
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--redis-url", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--id", default="syncer-0", help="syncer id (consumer name)")
+    ap.add_argument("--fragments", default="", help="comma-separated fragments (default: all)")
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0",
+                    help="PUB bind address, e.g. tcp://0.0.0.0:5555 (port 0: any free port)")
+    ap.add_argument("--advertise-host", default=None,
+                    help="host name learners use to reach this syncer (default: bind host)")
+    ap.add_argument("--max-rounds", type=int, default=0)
+    ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def config_from_args(a: argparse.Namespace) -> SyncerConfig:
+    frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
+    return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
+                        fail_before_commit=a.fail_before_commit,
+                        fail_after_commit=a.fail_after_commit)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sys.exit(main(parse_args()))

@@ -47,7 +47,7 @@ def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Call
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "accuracy": acc,
-                                   "grad_norm": optax.global_norm(grads)}
+                                   "grad_norm": optax.tree.norm(grads)}
 
     return step
 

@@ -32,9 +32,9 @@ def anchored_delta(current: Mapping[str, np.ndarray], base_sent: Mapping[str, np
     return {k: (current[k] - base_sent[k]) + delta[k] for k in current}
 
 
-def _phi(x: np.ndarray) -> tuple[np.ndarray, float]:
-    norm = float(np.sqrt(np.sum(np.square(x, dtype=np.float64))))
-    return (x / norm if norm > 0 else np.zeros_like(x)), norm
+def _norm(x: np.ndarray) -> float:
+    flat = x.ravel()
+    return float(np.sqrt(np.dot(flat, flat)))
 
 
 class StreamingMerge:
@@ -55,6 +55,7 @@ class StreamingMerge:
         # fp64 sums make the fp32 result (almost always) independent of arrival order.
         self._sum = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
         self._sum_norm = {k: 0.0 for k in shapes}
+        self._scratch: dict[str, np.ndarray] = {}
 
     def add(self, delta: Mapping[str, np.ndarray], weight: float) -> None:
         """Fold one outer gradient Δ with weight w into the running sums."""
@@ -63,12 +64,18 @@ class StreamingMerge:
         if set(delta) != set(self._sum):
             raise ValueError("contribution tensors do not match the fragment's tensors")
         for k, d in delta.items():
+            scratch = self._scratch.get(k)
+            if scratch is None:
+                scratch = self._scratch[k] = np.empty(d.shape, np.float32)
             if self._rda[k]:
-                direction, norm = _phi(d)
-                self._sum[k] += weight * direction.astype(np.float64)
+                norm = _norm(d)
+                if norm == 0.0:
+                    continue  # φ(0) = 0 and ‖0‖ = 0: adds nothing but its weight
+                np.multiply(d, np.float32(weight / norm), out=scratch)
                 self._sum_norm[k] += weight * norm
             else:
-                self._sum[k] += weight * d.astype(np.float64)
+                np.multiply(d, np.float32(weight), out=scratch)
+            np.add(self._sum[k], scratch, out=self._sum[k])
         self.total_weight += weight
         self.count += 1
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.merge import StreamingMerge, anchored_delta, token_weight
+from pipeline.merge import StreamingMerge, token_weight
 from pipeline.outer import init_state, outer_optimizer, outer_step
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
@@ -71,6 +71,7 @@ class _Round:
     included: list[tuple[str, str, float, int]] = field(default_factory=list)
     tokens: int = 0
     steps: int = 0
+    anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def sent_hash(sent: Mapping[str, quant.QTensor]) -> str:
@@ -161,7 +162,11 @@ class FragmentSyncer:
             self._round.dropped.append((c.entry_id, reason))
             return False, reason
         weight = token_weight(c.tokens, c.steps)
-        delta = anchored_delta(self.theta, self.history[c.base_version], c.delta)
+        anchor = self._round.anchors.get(c.base_version)
+        if anchor is None:  # Θ(v) − Θ̃(b), shared by every contribution anchored at b
+            anchor = self._round.anchors[c.base_version] = {
+                k: self.theta[k] - h for k, h in self.history[c.base_version].items()}
+        delta = {k: anchor[k] + c.delta[k] for k in anchor}
         self._round.merge.add(delta, weight)
         r = self._round
         r.contributors[c.learner] = c

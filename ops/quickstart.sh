@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh Debian/Ubuntu machine, then run the main job or the tests.
+#   bash ops/quickstart.sh run [diloco run flags...]   # the demo: embedded Redis, syncer, learners
+#   bash ops/quickstart.sh test [pytest flags...]      # the test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-run}"; shift || true
+
+SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo"
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v python3 >/dev/null || need_apt+=(python3)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "installing ${need_apt[*]} with apt-get" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+# redis-server from apt starts a system service; the project never uses it (it starts its own).
+
+PY=.venv/bin/python
+if [ ! -x "$PY" ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+
+case "$what" in
+  run)  exec .venv/bin/diloco run "$@" ;;
+  test) exec .venv/bin/python -m pytest "$@" ;;
+  *)    echo "usage: $0 run|test [args...]" >&2; exit 2 ;;
+esac

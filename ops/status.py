@@ -58,7 +58,7 @@ def collect(redis_url: str, run: str) -> dict:
         elif r.exists(fk.global_):
             info["version"] = 0
         fragments.append(info)
-    for name, rec in learners.items():
+    for rec in learners.values():
         versions = rec.get("versions") or []
         rec["version_lag"] = [max(0, (f["version"] or 0) - v)
                               for f, v in zip(fragments, versions, strict=False)]
@@ -79,7 +79,8 @@ def render(rep: dict) -> str:
         state = "live" if rec["live"] else "DOWN"
         lines.append(f"  {name:10s} {state:4s} step {rec.get('step')} "
                      f"{(rec.get('tokens_per_s') or 0):,.0f} tok/s versions {rec.get('versions')} "
-                     f"lag {rec.get('version_lag')} heartbeat {rec['last_heartbeat_age_s']:.1f} s ago")
+                     f"lag {rec.get('version_lag')} "
+                     f"heartbeat {rec['last_heartbeat_age_s']:.1f} s ago")
     for name, rec in rep["syncers"].items():
         lines.append(f"  {name:10s} fragments {rec.get('fragments')} rounds {rec.get('rounds')} "
                      f"endpoint {rec.get('endpoint')} last: {rec.get('last_reason')}")

@@ -352,7 +352,9 @@ class Engine:
         ring = ring_allreduce_bytes_per_step(M, self.n_params)
         ring_per_token = ring / self._tokens_per_step()
         ours_per_token = (sent + received) / per_learner_tokens if per_learner_tokens else 0.0
-        ratio = ring_per_token / ours_per_token if self.cfg.mode != "ddp" and ours_per_token else 1.0
+        ratio = 1.0
+        if self.cfg.mode != "ddp" and ours_per_token:
+            ratio = ring_per_token / ours_per_token
         self.final_params = params
         return {
             "mode": self.cfg.mode,

@@ -137,7 +137,8 @@ class LearnerCore:
         if not self.cfg.strict:
             return False
         for p, f in enumerate(self.inflight):
-            if f is not None and self.pending[p] is None and step >= f.step + self.cfg.overlap_steps:
+            due = f is not None and step >= f.step + self.cfg.overlap_steps
+            if due and self.pending[p] is None:
                 return True
         return False
 

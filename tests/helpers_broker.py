@@ -218,3 +218,23 @@ class SyncerThread:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+# ------------------------------------------------------------------------------- reference
+
+
+def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
+                    ) -> tuple[int, dict[str, np.ndarray]]:
+    """Feed `contributions` (pipeline.syncer.Contribution) to a fresh pure FragmentSyncer at
+    version 0 and close one round: (version, the down-link values learners decode)."""
+    from pipeline.model import init_params
+    from pipeline.syncer import FragmentSyncer
+
+    init = init_params(cfg.model, cfg.seed)
+    core = FragmentSyncer(p, {n: np.asarray(init[n]) for n in fragment_names(cfg)[p]},
+                          cfg.outer, cfg.effective_sync())
+    for i, c in enumerate(contributions):
+        ok, why = core.offer(c, float(i))
+        assert ok, why
+    result = core.close(float(len(contributions)), "reference")
+    return result.version, {k: quant.dequantize(q) for k, q in result.sent.items()}

@@ -20,7 +20,7 @@ from helpers_broker import (
 
 from broker import codec, registry
 from broker.connection import connect
-from broker.errors import ConfigMismatch
+from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
 from broker.streams import FragmentStreams, LeaseLost
 from pipeline import config as cfgmod
@@ -314,7 +314,7 @@ def test_store_config_refuses_another_hash(r, cfg):
 
 
 def test_load_config_of_an_unknown_run_names_it(r):
-    with pytest.raises(Exception, match="nothing-here"):
+    with pytest.raises(BrokerError, match="nothing-here"):
         registry.load_config(r, RunKeys("nothing-here"), wait_s=0.0)
 
 

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(q, mode=False)
     q.add_argument("--out", default="runs/bench-quality", help="output folder")
     q.add_argument("--only", default="", help="comma-separated subset of variant names")
+    q.add_argument("--frontier", default="", metavar="H,H,...",
+                   help="also run decoupled at these sync intervals H with both codec pairs")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_quality)
     try:
@@ -72,6 +74,10 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
 def run_quality(args: argparse.Namespace) -> int:
     base = config_from_args(args, base=bench_model_config())
     runs = variants(base)
+    for h in [int(x) for x in args.frontier.split(",") if x.strip()]:
+        for up in ("int4", "bf16"):
+            runs[f"frontier H={h} {up}/bf16"] = cfgmod.override(
+                base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up})
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]
         runs = {k: v for k, v in runs.items() if k in keep}

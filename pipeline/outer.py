@@ -22,18 +22,27 @@ def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
     return optax.sgd(learning_rate=cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov)
 
 
-@jax.jit
-def _apply(theta, updates):
-    return optax.apply_updates(theta, updates)
+def make_outer_step(opt: optax.GradientTransformation):
+    """A jitted ``step(theta, outer_grad, state) -> (new_theta, new_state)`` for `opt`."""
+
+    @jax.jit
+    def step(theta, outer_grad, state):
+        updates, state = opt.update(outer_grad, state, theta)
+        return optax.apply_updates(theta, updates), state
+
+    return step
 
 
 def outer_step(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray],
-               outer_grad: Mapping[str, np.ndarray], state):
-    """One outer step. Returns ``(new_theta as fp32 numpy, new_state)``."""
+               outer_grad: Mapping[str, np.ndarray], state, step_fn=None):
+    """One outer step. Returns ``(new_theta as fp32 numpy, new_state)``.
+
+    Pass `step_fn` (from `make_outer_step`) to reuse one compiled step across rounds.
+    """
+    step_fn = step_fn or make_outer_step(opt)
     g = {k: jnp.asarray(v, jnp.float32) for k, v in outer_grad.items()}
     t = {k: jnp.asarray(v, jnp.float32) for k, v in theta.items()}
-    updates, state = opt.update(g, state, t)
-    new = _apply(t, updates)
+    new, state = step_fn(t, g, state)
     return {k: np.asarray(v, np.float32) for k, v in new.items()}, state
 
 

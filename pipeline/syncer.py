@@ -18,7 +18,7 @@ import numpy as np
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.merge import StreamingMerge, token_weight
-from pipeline.outer import init_state, outer_optimizer, outer_step
+from pipeline.outer import init_state, make_outer_step, outer_optimizer, outer_step
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
 
@@ -109,6 +109,7 @@ class FragmentSyncer:
         self.theta = {k: np.asarray(v, np.float32) for k, v in theta.items()}
         self.shapes = {k: v.shape for k, v in self.theta.items()}
         self._opt = outer_optimizer(outer_cfg)
+        self._outer_step = make_outer_step(self._opt)
         self.opt_state = init_state(self._opt, self.theta)
         self.sent, sent_values = encode_down(self.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         # version → the dequantised value learners received for it (anchors stale contributions)
@@ -199,7 +200,8 @@ class FragmentSyncer:
         """Merge, take the outer step, advance the version and open a new round."""
         r = self._round
         outer_grad = r.merge.result()
-        self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state)
+        self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state,
+                                               self._outer_step)
         self.version += 1
         self.sent, sent_values = encode_down(self.theta, self.sync_cfg.codec_down,
                                              self.sync_cfg.quant_block)

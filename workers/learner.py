@@ -151,6 +151,7 @@ class Learner:
         self.step = 0
         tokens = 0
         t_rate, tok_rate = time.monotonic(), 0
+        t_train = time.monotonic()
         while self.step < run_cfg.steps:
             t0 = time.monotonic()
             self._drain_inbox()
@@ -160,6 +161,8 @@ class Learner:
             self._pace(t0)
             dt = time.monotonic() - t0
             self.step += 1
+            if self.step == 1:
+                t_first = time.monotonic()  # the first step includes compilation
             tokens += self.tokens_per_step
             self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
             for p in range(len(self.secs)):
@@ -188,6 +191,9 @@ class Learner:
             if self.net.stop_seen:
                 break
         self.tokens = tokens
+        self.train_s = time.monotonic() - t_train
+        self.steady_steps_per_s = ((self.step - 1) / (time.monotonic() - t_first)
+                                   if self.step > 1 else 0.0)
 
     def _pace(self, t0: float) -> None:
         target = max(self.cfg.pace_s, 0.0)
@@ -244,7 +250,8 @@ class Learner:
                   "bytes_received": s.snapshot_bytes + self.net.sub.received_bytes,
                   "pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
                   "zmq_gaps": s.zmq_gaps, "snapshots_read": s.snapshots_read,
-                  "step_s": self.step_s}
+                  "step_s": self.step_s, "train_s": self.train_s,
+                  "steps_per_s": self.steady_steps_per_s}
         registry.mark_done(self.ctx.r, self.ctx.keys, f"final:{self.id}", report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
         return report

@@ -311,40 +311,47 @@ class Syncer:
 
     # -- loop ------------------------------------------------------------------------------------
 
+    def poll_once(self) -> bool:
+        """One iteration: read, merge, close due rounds, finish the run. True when done."""
+        self._refresh()
+        entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
+                                        block_ms=self.bcfg.block_ms)
+        self._handle(entries)
+        done = registry.done_reports(self.ctx.r, self.ctx.keys)
+        pushed = {k: v for k, v in done.items() if not k.startswith(("syncer:", "final:"))}
+        final = len(pushed) >= self.run_cfg.learners
+        expected = {p: {n for n, rep in pushed.items() if p in rep.get("final", [])}
+                    for p in self.owned} if final else {}
+        for p in self.owned:
+            if not self.frags[p].finished:
+                self._maybe_close(p, expected.get(p))
+        self._claim()
+        if final and self._finish(expected):
+            return True
+        if self.cfg.max_rounds and self.rounds >= self.cfg.max_rounds:
+            return True
+        return registry.stop_requested(self.ctx.r, self.ctx.keys)
+
+    def _finish(self, expected: dict[int, set[str]]) -> bool:
+        """After every learner's final pushes: publish final values, record the versions."""
+        for p in self.owned:
+            f = self.frags[p]
+            if (not f.finished and expected[p] <= f.final_seen and not f.core.contributors
+                    and not f.deferred):
+                f.finished = True
+                self._publish(p, f.core.version, f.core.sent)
+        if not all(self.frags[p].finished for p in self.owned):
+            return False
+        versions = {str(p): self.frags[p].core.version for p in self.owned}
+        registry.mark_done(self.ctx.r, self.ctx.keys, f"syncer:{self.cfg.syncer_id}",
+                           {"versions": versions, "rounds": self.rounds})
+        registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
+        return True
+
     def run_forever(self) -> int:
-        n_learners = self.run_cfg.learners
-        while True:
-            self._refresh()
-            entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=64,
-                                            block_ms=self.bcfg.block_ms)
-            self._handle(entries)
-            done = registry.done_reports(self.ctx.r, self.ctx.keys)
-            pushed = {k: v for k, v in done.items() if not k.startswith(("syncer:", "final:"))}
-            final = len(pushed) >= n_learners
-            expected = {p: {n for n, rep in pushed.items() if p in rep.get("final", [])}
-                        for p in self.owned} if final else {}
-            for p in self.owned:
-                if not self.frags[p].finished:
-                    self._maybe_close(p, expected.get(p))
-            self._claim()
-            if final:
-                for p in self.owned:
-                    f = self.frags[p]
-                    if (not f.finished and expected[p] <= f.final_seen and not f.core.contributors
-                            and not f.deferred):
-                        f.finished = True
-                        self._publish(p, f.core.version, f.core.sent)
-                if all(self.frags[p].finished for p in self.owned):
-                    versions = {str(p): self.frags[p].core.version for p in self.owned}
-                    registry.mark_done(self.ctx.r, self.ctx.keys, f"syncer:{self.cfg.syncer_id}",
-                                       {"versions": versions, "rounds": self.rounds})
-                    registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
-                                             self._info())
-                    return 0
-            if self.cfg.max_rounds and self.rounds >= self.cfg.max_rounds:
-                return 0
-            if registry.stop_requested(self.ctx.r, self.ctx.keys):
-                return 0
+        while not self.poll_once():
+            pass
+        return 0
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -1,0 +1,270 @@
+"""Benchmarks of the distributed pipeline (`diloco bench overlap|pipeline|memory|latency`).
+
+Each one measures its ratio side by side in one run on this machine:
+
+* overlap — a learner's steady inner-step rate with syncing on ÷ off (real processes);
+* pipeline — the syncer's MB/s of contributions read, decoded and merged ÷ raw XREADGROUP MB/s
+  of the same entries (same stream, two consumer groups, alternating passes);
+* memory — the syncer's peak RSS with 4 vs 64 synthetic pushers on the same fragment size;
+* latency — from the last needed contribution's XADD to the subscriber receiving the merged
+  value, p50/p99, for ~4 MB fragments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from broker import codec, registry
+from broker.connection import connect
+from broker.keys import RunKeys
+from broker.pubsub import Subscriber
+from broker.streams import FragmentStreams
+from ops.redis_server import RedisServer
+from pipeline import config as cfgmod
+from pipeline import quant
+from pipeline.config import RunConfig
+from pipeline.fragments import partition
+from pipeline.model import param_shapes
+
+# A model whose non-embedding fragments hold ~1M fp32 parameters (~4 MB) each at P=5.
+BIG = {"model": {"d_model": 288, "n_layers": 4, "n_heads": 4, "seq_len": 64},
+       "data": {"max_bytes": 400_000}, "sync": {"fragments": 5}}
+
+
+def register(bsub: argparse._SubParsersAction) -> None:
+    for name, fn, help_ in (("overlap", bench_overlap, "learner step rate, syncing on ÷ off"),
+                            ("pipeline", bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
+                            ("memory", bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
+                            ("latency", bench_latency, "round latency p50/p99, 4 MB fragments")):
+        p = bsub.add_parser(name, help=help_)
+        p.add_argument("--out", default=f"runs/bench-{name}")
+        p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+        p.set_defaults(func=_wrap(fn))
+
+
+def _wrap(fn):
+    def run(args: argparse.Namespace) -> int:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = fn(quick=args.quick)
+        result["machine"] = machine()
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+        return 0
+    return run
+
+
+def machine() -> str:
+    import os
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"{platform.system()} {platform.release()}")
+
+
+def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTensor]:
+    shapes = param_shapes(cfg.model)
+    names = partition(shapes, cfg.effective_sync().fragments)[p]
+    rng = np.random.default_rng(seed)
+    return {n: quant.quantize((rng.standard_normal(shapes[n]) * 1e-3).astype(np.float32),
+                              cfg.sync.codec_up, cfg.sync.quant_block) for n in names}
+
+
+def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
+          tensors: dict[str, quant.QTensor]) -> dict:
+    fields = codec.entry_fields(codec.EntryMeta(learner, p, base, step, 10, 10 * 1024,
+                                                cfg.sync.codec_up), tensors)
+    fields["seconds"] = "1.0"
+    fields["final"] = "0"
+    return fields
+
+
+def _store(url: str, run: str, cfg: RunConfig) -> None:
+    r = connect(url)
+    registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
+
+
+# -- pipeline efficiency -----------------------------------------------------------------------
+
+def bench_pipeline(quick: bool = False) -> dict:
+    from workers.common import open_run
+    from workers.syncer import Syncer, SyncerConfig
+
+    M = 4
+    cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
+    n_rounds = 5 if quick else 25
+    p = 1
+    with RedisServer(appendonly=False) as srv:
+        _store(srv.url, "bench", cfg)
+        ctx = open_run(srv.url, "bench")
+        zctx = zmq.Context()
+        syncer = Syncer(SyncerConfig(srv.url, "bench", fragments=(p,)), ctx, zctx)
+        syncer.start()
+        for m in range(M):  # live learners: rounds close as soon as all four contributed
+            registry.heartbeat(ctx.r, ctx.keys, f"L{m}", {"step_s": 1.0}, ttl_s=3600)
+        streams = FragmentStreams(ctx.r, ctx.keys)
+        payloads = [_fragment_delta(cfg, p, seed) for seed in range(M)]
+        wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / M / 1e6
+        raw_rates, syncer_rates = [], []
+        for rep in range(3):
+            version = syncer.frags[p].core.version
+            ids = []
+            for rnd in range(n_rounds):
+                for m in range(M):
+                    ids.append(streams.push(p, entry(cfg, f"L{m}", p, version + rnd,
+                                                     1000 * rep + rnd + 1, payloads[m])))
+            group = f"raw{rep}"
+            ctx.r.xgroup_create(ctx.keys.fragment(p).frags, group, id=_before(ids[0]))
+            t0 = time.perf_counter()
+            n = 0
+            while n < len(ids):
+                reply = ctx.r.xreadgroup(group, "c", {ctx.keys.fragment(p).frags: ">"}, count=8)
+                n += sum(len(items) for _, items in reply)
+            raw_rates.append(len(ids) * wire_mb / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            start_version = syncer.frags[p].core.version
+            while syncer.frags[p].core.version < start_version + n_rounds:
+                syncer.poll_once()
+            syncer_rates.append(len(ids) * wire_mb / (time.perf_counter() - t0))
+        syncer.pub.close()
+        zctx.term()
+    raw, merged = statistics.median(raw_rates), statistics.median(syncer_rates)
+    return {"bench": "pipeline", "fragment_params": _frag_params(cfg, p),
+            "codec_up": cfg.sync.codec_up, "entry_wire_mb": round(wire_mb, 3),
+            "entries_per_pass": n_rounds * M, "raw_xreadgroup_mb_s": raw,
+            "syncer_decode_merge_mb_s": merged, "ratio": merged / raw,
+            "raw_passes": raw_rates, "syncer_passes": syncer_rates}
+
+
+def _before(entry_id: str) -> str:
+    ms, seq = entry_id.split("-")
+    return f"{ms}-{int(seq) - 1}" if int(seq) > 0 else f"{int(ms) - 1}-18446744073709551615"
+
+
+def _frag_params(cfg: RunConfig, p: int) -> int:
+    shapes = param_shapes(cfg.model)
+    names = partition(shapes, cfg.effective_sync().fragments)[p]
+    return int(sum(np.prod(shapes[n]) for n in names))
+
+
+# -- syncer memory and round latency (a real syncer process, synthetic pushers) -----------------
+
+def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
+    cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
+    p = 1
+    with RedisServer(appendonly=False) as srv:
+        _store(srv.url, "bench", cfg)
+        proc = subprocess.Popen([sys.executable, "-m", "workers.syncer", "--redis-url", srv.url,
+                                 "--run", "bench", "--fragments", str(p)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            r = connect(srv.url)
+            keys = RunKeys("bench")
+            streams = FragmentStreams(r, keys)
+            deadline = time.monotonic() + 120
+            while not registry.endpoints(r, keys) or not r.exists(keys.fragment(p).global_):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the syncer did not start")
+                time.sleep(0.05)
+            zctx = zmq.Context()
+            sub = Subscriber(zctx, [p])
+            sub.connect(registry.endpoints(r, keys))
+            time.sleep(0.5)  # let the subscription reach the publisher (slow joiner)
+            payloads = [_fragment_delta(cfg, p, seed) for seed in range(min(M, 8))]
+            for m in range(M):
+                registry.heartbeat(r, keys, f"L{m}", {"step_s": 1.0}, ttl_s=600)
+            lat = []
+            version = 0
+            rss_before = _rss_peak(proc.pid)
+            for rnd in range(rounds):
+                for m in range(M):
+                    streams.push(p, entry(cfg, f"L{m}", p, version, rnd + 1,
+                                          payloads[m % len(payloads)]))
+                t_last = time.perf_counter()
+                while True:
+                    msg = sub.recv(30_000)
+                    if msg is None:
+                        raise RuntimeError(f"no merged value for round {rnd + 1}")
+                    if msg[0].version > version:
+                        break
+                lat.append(time.perf_counter() - t_last)
+                version = msg[0].version
+            peak = _rss_peak(proc.pid)
+            sub.close()
+            zctx.term()
+        finally:
+            proc.kill()
+            proc.wait()
+    out = {"pushers": M, "rounds": rounds, "fragment_params": _frag_params(cfg, p),
+           "syncer_peak_rss_mb": peak / 2**20, "syncer_rss_after_start_mb": rss_before / 2**20}
+    if latency:
+        lat_ms = np.array(lat) * 1000
+        out.update({"latency_ms_p50": float(np.percentile(lat_ms, 50)),
+                    "latency_ms_p99": float(np.percentile(lat_ms, 99)),
+                    "latency_ms_max": float(lat_ms.max())})
+    return out
+
+
+def _rss_peak(pid: int) -> int:
+    """VmHWM (peak resident set) of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc")
+
+
+def bench_memory(quick: bool = False) -> dict:
+    rounds = 2 if quick else 4
+    small = _syncer_run(4, rounds, latency=False)
+    large = _syncer_run(64, rounds, latency=False)
+    return {"bench": "memory", "pushers_4": small, "pushers_64": large,
+            "peak_rss_ratio_64_vs_4": large["syncer_peak_rss_mb"] / small["syncer_peak_rss_mb"]}
+
+
+def bench_latency(quick: bool = False) -> dict:
+    res = _syncer_run(4, 10 if quick else 60, latency=True)
+    res["bench"] = "latency"
+    res["fragment_mb_fp32"] = res["fragment_params"] * 4 / 1e6
+    return res
+
+
+# -- overlap efficiency (real learner processes) ----------------------------------------------
+
+def bench_overlap(quick: bool = False) -> dict:
+    from ops.launcher import Launcher, store_run_config
+    from ops.run_cmd import default_demo_config
+
+    steps = 120 if quick else 400
+    base = cfgmod.override(default_demo_config(), learners=2, steps=steps)
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(1 if quick else 2):
+        for mode in ("on", "off"):
+            with RedisServer(appendonly=False) as srv:
+                run = f"overlap-{mode}-{rep}"
+                store_run_config(srv.url, run, base)
+                import tempfile
+
+                with tempfile.TemporaryDirectory() as d:
+                    la = Launcher(base, run, srv.url, Path(d), quiet=True,
+                                  learner_args=[] if mode == "on" else ["--no-sync"])
+                    la.start()
+                    for proc in la.procs.values():
+                        proc.wait(1800)
+                    reports = registry.done_reports(la.r, la.keys)
+                rates[mode] += [v["steps_per_s"] for k, v in reports.items()
+                                if k.startswith("final:")]
+    on, off = statistics.mean(rates["on"]), statistics.mean(rates["off"])
+    return {"bench": "overlap", "learners": 2, "steps": steps, "model": base.model.__dict__,
+            "steps_per_s_sync_on": on, "steps_per_s_sync_off": off, "ratio": on / off,
+            "per_learner_on": rates["on"], "per_learner_off": rates["off"],
+            "note": "two learners, the syncer and redis-server share 2 cores; steady-state "
+                    "rate (first, compiling step excluded)"}

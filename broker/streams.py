@@ -46,6 +46,12 @@ def _id(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def id_key(entry_id: str) -> tuple[int, int]:
+    """Stream ids compare numerically ("5-10" comes after "5-9")."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class FragmentStreams:
     """Redis stream operations of one run's fragments."""
 
@@ -83,13 +89,16 @@ class FragmentStreams:
         return self._entries(reply, by_key)
 
     def read_pending(self, consumer: str, p: int, count: int = 1000) -> list[Entry]:
-        """This consumer's own pending entries of fragment p (delivered, never acked)."""
+        """This consumer's own pending entries of fragment p (delivered, never acked).
+
+        Entries deleted from the stream while pending come back without fields; they are
+        returned too (with empty fields) so the caller can account for them.
+        """
         key = self.keys.fragment(p).frags
         out, start = [], "0"
         while True:
             reply = self.r.xreadgroup(GROUP, consumer, {key: start}, count=count)
             batch = self._entries(reply, {key: p})
-            batch = [e for e in batch if e.fields]  # trimmed entries come back empty
             if not batch:
                 return out
             out += batch
@@ -98,22 +107,35 @@ class FragmentStreams:
     def delivery_counts(self, p: int, ids: list[str]) -> dict[str, int]:
         if not ids:
             return {}
-        rows = self.r.xpending_range(self.keys.fragment(p).frags, GROUP, min=min(ids),
-                                     max=max(ids), count=len(ids) + 1000)
+        rows = self.r.xpending_range(self.keys.fragment(p).frags, GROUP,
+                                     min=min(ids, key=id_key), max=max(ids, key=id_key),
+                                     count=len(ids) + 1000)
         return {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
     def autoclaim(self, consumer: str, p: int, min_idle_ms: int,
-                  count: int = 100) -> list[Entry]:
-        """Take over entries idle longer than `min_idle_ms` (their consumer is gone)."""
+                  count: int = 100) -> tuple[list[Entry], list[str]]:
+        """Take over entries idle longer than `min_idle_ms` (their consumer is gone).
+
+        Returns the claimed entries and the ids of pending entries that no longer exist in
+        the stream (Redis removes those from the pending list; the caller accounts for them).
+        """
         key = self.keys.fragment(p).frags
-        out, start = [], "0-0"
+        out, deleted, start = [], [], "0-0"
         while True:
             reply = self.r.xautoclaim(key, GROUP, consumer, min_idle_ms, start_id=start,
                                       count=count)
             start, claimed = _id(reply[0]), reply[1]
             out += [Entry(p, _id(i), f) for i, f in claimed if f]
-            if start == "0-0" or not claimed:
-                return out
+            if len(reply) > 2:
+                deleted += [_id(i) for i in reply[2]]
+            if start == "0-0":
+                return out, deleted
+
+    def touch(self, p: int, consumer: str, ids: list[str]) -> None:
+        """Reset the idle time of entries this consumer holds (XCLAIM JUSTID: no new delivery),
+        so a round that waits long is not mistaken for a dead consumer's."""
+        if ids:
+            self.r.xclaim(self.keys.fragment(p).frags, GROUP, consumer, 0, ids, justid=True)
 
     def dead_letter(self, p: int, entry: Entry, reason: str) -> None:
         """Move an entry to the fragment's DLQ with its reason, and acknowledge it, atomically."""
@@ -174,8 +196,7 @@ class FragmentStreams:
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease)
-            if pipe.get(fk.lease) != owner.encode():
-                raise LeaseLost(f"fragment {p}: lease held by another syncer")
+            self._check_lease(pipe.get(fk.lease), owner, p)
             pipe.multi()
             pipe.set(fk.state, state)
             pipe.set(fk.global_, snapshot)
@@ -201,8 +222,7 @@ class FragmentStreams:
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.state)
-            if pipe.get(fk.lease) != owner.encode():
-                raise LeaseLost(f"fragment {p}: lease held by another syncer")
+            self._check_lease(pipe.get(fk.lease), owner, p)
             if pipe.exists(fk.state):
                 return False
             pipe.multi()
@@ -215,6 +235,13 @@ class FragmentStreams:
             raise LeaseLost(f"fragment {p}: lease changed during initialisation") from e
         finally:
             pipe.reset()
+
+    @staticmethod
+    def _check_lease(holder: bytes | None, owner: str, p: int) -> None:
+        if holder is None:
+            raise LeaseLost(f"fragment {p}: lease expired (not renewed within broker.lease_ms)")
+        if holder != owner.encode():
+            raise LeaseLost(f"fragment {p}: lease held by {holder.decode()!r}")
 
     def trim(self, p: int, min_id: str) -> int:
         """Drop fragment entries older than `min_id` (merged long enough ago)."""

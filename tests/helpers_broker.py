@@ -114,6 +114,17 @@ def wait_for(pred: Callable[[], T], timeout_s: float = 10.0, interval_s: float =
         time.sleep(interval_s)
 
 
+def poll_until(pred: Callable[[], object], timeout_s: float, interval_s: float = 0.01) -> bool:
+    """Poll `pred` for at most `timeout_s`; True as soon as it holds, False at the deadline
+    (for conditions that are allowed not to happen)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 # --------------------------------------------------------------------------- Redis inspection
 
 

@@ -244,8 +244,8 @@ def test_autoclaim_takes_idle_entries_of_another_consumer(r, keys, fs, cfg):
     ids = [fs.push(P, fields_of(cfg, n)) for n in ("L0", "L1")]
     fs.read_new("dead", [P], count=10, block_ms=10)
     assert fs.delivery_counts(P, ids) == {i: 1 for i in ids}
-    assert fs.autoclaim("alive", P, min_idle_ms=60_000) == []
-    claimed = wait_for(lambda: fs.autoclaim("alive", P, min_idle_ms=50), timeout_s=5,
+    assert fs.autoclaim("alive", P, min_idle_ms=60_000) == ([], [])
+    claimed = wait_for(lambda: fs.autoclaim("alive", P, min_idle_ms=50)[0], timeout_s=5,
                        what="entries idle past 50 ms")
     assert [e.entry_id for e in claimed] == ids
     assert all(e.fragment == P and e.fields[b"learner"] for e in claimed)
@@ -261,7 +261,8 @@ def test_autoclaim_pages_through_many_entries(r, keys, fs, cfg):
     small = {"learner": "L0", "payload": b"x"}
     ids = [fs.push(P, small) for _ in range(7)]
     fs.read_new("dead", [P], count=100, block_ms=10)
-    claimed = wait_for(lambda: fs.autoclaim("alive", P, min_idle_ms=20, count=3), timeout_s=5,
+    claimed = wait_for(lambda: fs.autoclaim("alive", P, min_idle_ms=20, count=3)[0],
+                       timeout_s=5,
                        what="idle entries")
     assert [e.entry_id for e in claimed] == ids
 
@@ -367,3 +368,42 @@ def test_connect_is_binary_safe(r):
     r.set("k", b"\x00\xff")
     assert r.get("k") == b"\x00\xff"
     assert isinstance(r, redis.Redis)
+
+
+# --------------------------------------------------- entry ids, trimmed pending entries
+
+
+def test_delivery_counts_compares_entry_ids_numerically(r, keys, fs):
+    """Entry ids are ``<ms>-<seq>``: "5-10" sorts before "5-9" as text, after it as an id."""
+    key = keys.fragment(P).frags
+    ids = [r.xadd(key, {"learner": "L0"}, id=f"5-{i}").decode() for i in range(12)]
+    fs.read_new("A", [P], count=100, block_ms=10)
+    assert fs.delivery_counts(P, ["5-9", "5-10"]) == {"5-9": 1, "5-10": 1}
+    assert fs.delivery_counts(P, ids) == {i: 1 for i in ids}
+
+
+def test_read_pending_walks_past_trimmed_entries(r, keys, fs, cfg):
+    """Pending entries whose stream entries were trimmed come back without fields; they must
+    not end the walk through the rest of the consumer's pending list."""
+    key = keys.fragment(P).frags
+    ids = [fs.push(P, fields_of(cfg, "L0", step=10 * (i + 1))) for i in range(5)]
+    fs.read_new("A", [P], count=10, block_ms=10)
+    r.xdel(key, ids[0], ids[1])  # trimmed (retention) while still pending
+    for count in (1000, 2):
+        pending = fs.read_pending("A", P, count=count)
+        assert [e.entry_id for e in pending if e.fields] == ids[2:]
+        # the vanished ones are returned without fields so the syncer can account for them
+        assert [e.entry_id for e in pending if not e.fields] == ids[:2]
+
+
+def test_autoclaim_walks_past_trimmed_entries(r, keys, fs, cfg):
+    key = keys.fragment(P).frags
+    ids = [fs.push(P, fields_of(cfg, "L0", step=10 * (i + 1))) for i in range(5)]
+    fs.read_new("dead", [P], count=10, block_ms=10)
+    r.xdel(key, ids[0], ids[1])
+    wait_for(lambda: all(row["time_since_delivered"] >= 30 for row in
+                         r.xpending_range(key, GROUP, "-", "+", 10)),
+             timeout_s=5, what="entries idle past 30 ms")
+    claimed, deleted = fs.autoclaim("alive", P, min_idle_ms=30, count=2)
+    assert [e.entry_id for e in claimed] == ids[2:]
+    assert deleted == ids[:2]  # reported so the syncer can account for them

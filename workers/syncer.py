@@ -24,7 +24,7 @@ from broker import codec, registry
 from broker.errors import DecodeError
 from broker.pubsub import Publisher
 from broker.state import pack_state, unpack_state
-from broker.streams import Entry, FragmentStreams, LeaseLost
+from broker.streams import Entry, FragmentStreams, LeaseLost, id_key
 from pipeline import quant
 from pipeline.model import init_params
 from pipeline.syncer import Contribution, FragmentSyncer, RoundResult
@@ -86,6 +86,7 @@ class Syncer:
         self.merged = 0
         self.dropped = 0
         self.dead_lettered = 0
+        self.lost = 0
         self.quorum_wait_s = 0.0
         self.grace_wait_s = 0.0
 
@@ -93,6 +94,10 @@ class Syncer:
 
     def start(self) -> None:
         init = None
+        if not all(self.streams.load_state(p)[0] for p in self.owned):
+            # built before taking any lease: the first JAX call can outlast a short lease
+            init = {k: np.asarray(v) for k, v in
+                    init_params(self.run_cfg.model, self.run_cfg.seed).items()}
         for p in self.owned:
             while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
                 log.info("fragment %d is leased by another syncer; standing by", p)
@@ -105,6 +110,7 @@ class Syncer:
                             init_params(self.run_cfg.model, self.run_cfg.seed).items()}
                 core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
                                       self.run_cfg.outer, self.sync)
+                self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
                 self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
                                            snapshot=self._snapshot(core))
                 state_blob, _ = self.streams.load_state(p)
@@ -115,8 +121,12 @@ class Syncer:
                        fragments=self.owned, endpoint=self.pub.endpoint)
         for p, f in self.frags.items():  # re-publish what is committed (restart after a crash)
             self._publish(p, f.core.version, f.core.sent)
+        for p in self.owned:
+            self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
         for p in self.owned:  # entries this consumer read before a crash, never acknowledged
-            self._handle(self.streams.read_pending(self.cfg.syncer_id, p), check_deliveries=True)
+            pending = self.streams.read_pending(self.cfg.syncer_id, p)
+            self._lost(p, [e.entry_id for e in pending if not e.fields])
+            self._handle([e for e in pending if e.fields], check_deliveries=True)
         self._claim(force=True)
 
     def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
@@ -205,9 +215,25 @@ class Syncer:
             return
         self._next_claim = now + self.bcfg.claim_idle_ms / 2000
         for p in self.owned:
-            claimed = self.streams.autoclaim(self.cfg.syncer_id, p, self.bcfg.claim_idle_ms)
-            mine = set(self.frags[p].entries) | {e.entry_id for e in self.frags[p].deferred}
+            f = self.frags[p]
+            held = list(f.entries) + [e.entry_id for e in f.deferred]
+            self.streams.touch(p, self.cfg.syncer_id, held)  # ours are not idle, just waiting
+            claimed, deleted = self.streams.autoclaim(self.cfg.syncer_id, p,
+                                                      self.bcfg.claim_idle_ms)
+            self._lost(p, deleted)
+            mine = set(held)
             self._handle([e for e in claimed if e.entry_id not in mine], check_deliveries=True)
+
+    def _lost(self, p: int, ids: list[str]) -> None:
+        """Pending entries that vanished from the stream before being merged: say so loudly."""
+        if not ids:
+            return
+        log.error("fragment %d: %d pending entries were deleted before merging: %s", p,
+                  len(ids), ids[:5])
+        self.lost += len(ids)
+        registry.event(self.ctx.r, self.ctx.keys, "lost", fragment=p, entries=ids,
+                       reason="deleted from the stream before merging (retention cap)")
+        self.streams.ack_only(p, ids)
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -298,12 +324,12 @@ class Syncer:
         ids = list(f.entries)
         if not ids:
             return
-        f.recent_min_ids.append(min(ids, key=_id_key))
+        f.recent_min_ids.append(min(ids, key=id_key))
         keep = self.bcfg.keep_rounds
         if keep and len(f.recent_min_ids) > keep:
             cut = f.recent_min_ids.pop(0)
             pending = [e.entry_id for e in f.deferred]
-            floor = min([cut] + pending, key=_id_key)
+            floor = min([cut] + pending, key=id_key)
             self.streams.trim(p, floor)
 
     def _publish(self, p: int, version: int, sent: dict[str, quant.QTensor]) -> None:
@@ -352,11 +378,6 @@ class Syncer:
         while not self.poll_once():
             pass
         return 0
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def main(cfg: SyncerConfig) -> int:

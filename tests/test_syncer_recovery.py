@@ -1,0 +1,378 @@
+"""Syncer crash recovery against a real redis-server: crashes before and after the round commit
+(fault-injection flags, the syncer as a subprocess), restarts, duplicate pushes, malformed
+entries and claiming the pending entries of a consumer that never came back.
+
+Every round here uses quorum K = 2 with two contributions (from L0 and L1) pushed before the
+syncer starts and no grace window, so it closes as soon as both are read. No heartbeats are
+sent: the live set is empty and K applies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+from helpers_broker import (
+    SyncerThread,
+    contribution_fields,
+    dlq_entries,
+    global_value,
+    make_delta,
+    pending_by_consumer,
+    poll_until,
+    push,
+    reference_round,
+    rounds_records,
+    run_syncer_process,
+    state_version,
+    store_run,
+    tiny_config,
+    wait_for,
+    xpending_count,
+)
+
+from broker import codec, registry
+from broker.connection import connect
+from broker.keys import GROUP
+from broker.pubsub import Subscriber
+from broker.streams import FragmentStreams
+from pipeline import quant
+from pipeline.syncer import Contribution
+from workers.common import open_run
+from workers.syncer import Syncer, SyncerConfig
+
+P = 1  # the fragment under test (the non-embedding tensors: RDA merge)
+OTHER = 0
+# (learner, seed, steps, tokens): different weights for the two learners
+L0 = ("L0", 0, 10, 2560)
+L1 = ("L1", 1, 8, 2048)
+
+
+def recovery_config(**broker):
+    return tiny_config(sync={"quorum": 2, "grace_max_s": 0.0},
+                       broker={"block_ms": 50, **broker})
+
+
+@pytest.fixture
+def r(redis_url):
+    client = connect(redis_url)
+    yield client
+    client.close()
+
+
+def push_contribution(r, keys, cfg, who, p=P):
+    learner, seed, steps, tokens = who
+    fields = contribution_fields(learner, p, make_delta(cfg, p, seed), steps=steps,
+                                 tokens=tokens, step=steps)
+    return push(r, keys, p, fields), fields
+
+
+def contribution(cfg, who, entry_id, p=P):
+    learner, seed, steps, tokens = who
+    return Contribution(learner, p, 0, steps, steps, tokens, make_delta(cfg, p, seed),
+                        entry_id=entry_id)
+
+
+def assert_values_equal(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def crash_syncer(tmp_path, redis_url, run, flag, code, *extra):
+    log = tmp_path / f"syncer-{flag}.log"
+    rc = run_syncer_process(redis_url, run, flag, "1", *extra, log_path=log)
+    assert rc == code, log.read_text(errors="replace")[-4000:]
+
+
+def assert_merged_once(r, keys, ids, syncer="syncer-0"):
+    fk = keys.fragment(P)
+    recs = rounds_records(r, fk)
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    included = [row[0] for row in rec["included"]]
+    assert sorted(included) == sorted(ids) and len(set(included)) == len(included)
+    assert [row[1] for row in rec["included"]] == ["L0", "L1"]
+    assert rec["version"] == "1" and rec["fragment"] == str(P) and rec["syncer"] == syncer
+    assert rec["seconds"] == [1.5, 1.5]
+    assert int(rec["tokens"]) == L0[3] + L1[3] and int(rec["steps"]) == L0[2] + L1[2]
+    assert state_version(r, fk) == 1
+    assert xpending_count(r, fk) == 0
+    return rec
+
+
+def test_crash_before_commit_then_restart_merges_pending_entries_once(tmp_path, r, redis_url):
+    cfg = recovery_config()
+    run = "crash-before"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+
+    crash_syncer(tmp_path, redis_url, run, "--fail-before-commit", 17)
+    # the round was merged in memory but never committed: entries pending, state at v0
+    assert xpending_count(r, fk) == 2
+    assert pending_by_consumer(r, fk) == {"syncer-0": 2}
+    assert state_version(r, fk) == 0 and state_version(r, keys.fragment(OTHER)) == 0
+    assert r.xlen(fk.rounds) == 0
+    assert global_value(r, fk)[0] == 0
+
+    want_version, want = reference_round(cfg, P, [contribution(cfg, w, i)
+                                                  for w, i in zip((L0, L1), ids, strict=True)])
+    assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
+
+    assert_merged_once(r, keys, ids)
+    version, values = global_value(r, fk)
+    assert version == want_version == 1
+    assert_values_equal(values, want)
+    assert r.get(fk.sent(1)) == r.get(fk.global_)
+    # the other fragment saw nothing
+    assert state_version(r, keys.fragment(OTHER)) == 0
+    assert r.xlen(keys.fragment(OTHER).rounds) == 0
+    # the restarted syncer released its leases on exit
+    assert r.get(fk.lease) is None
+
+
+def _probe_until_subscribed(pub, sub, run, timeout_s=10.0):
+    """Publish probe messages on topic f9999 until the subscriber receives one: from then on
+    the subscription is in place and nothing the publisher sends is lost to the slow joiner."""
+    probe = codec.global_frames(run, 9999, 0, {"probe": quant.quantize(np.zeros(1), "fp32")})
+
+    def once():
+        pub.publish(probe)
+        msg = sub.recv(20)
+        return msg is not None and msg[0].fragment == 9999
+
+    wait_for(once, timeout_s=timeout_s, interval_s=0.0, what="the SUB socket to subscribe")
+
+
+def test_crash_after_commit_then_restart_republishes_without_merging_again(
+        tmp_path, r, redis_url):
+    cfg = recovery_config()
+    run = "crash-after"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+
+    crash_syncer(tmp_path, redis_url, run, "--fail-after-commit", 18)
+    # committed (state, snapshot, record, XACKs together), never published
+    assert_merged_once(r, keys, ids)
+    committed = r.get(fk.global_)
+    version, values = global_value(r, fk)
+    assert version == 1
+    want_version, want = reference_round(cfg, P, [contribution(cfg, w, i)
+                                                  for w, i in zip((L0, L1), ids, strict=True)])
+    assert_values_equal(values, want)
+
+    # restart (same id): subscribe before it starts, then watch start() re-publish
+    ctx = open_run(redis_url, run, wait_s=5.0)
+    zctx = zmq.Context()
+    s = Syncer(SyncerConfig(redis_url, run), ctx, zctx)
+    sub = Subscriber(zctx, [OTHER, P, 9999])
+    try:
+        sub.connect([s.pub.endpoint])
+        _probe_until_subscribed(s.pub, sub, run)
+        s.start()
+        assert registry.endpoints(r, keys) == [s.pub.endpoint]
+        got: dict[int, tuple[int, dict]] = {}
+
+        def collect():
+            msg = sub.recv(50)
+            if msg is not None and msg[0].fragment in (OTHER, P):
+                got[msg[0].fragment] = (msg[0].version, msg[1])
+            return len(got) == 2
+
+        wait_for(collect, timeout_s=10, interval_s=0.0, what="the re-published values")
+        assert got[P][0] == 1 and got[OTHER][0] == 0
+        assert_values_equal({k: quant.dequantize(q) for k, q in got[P][1].items()}, values)
+        # one full loop iteration with no new entries: nothing is merged again
+        registry.request_stop(r, keys)
+        assert s.run_forever() == 0
+    finally:
+        sub.close()
+        s.pub.close()
+        for p in s.owned:
+            s.streams.release_lease(p, "syncer-0")
+        ctx.r.close()
+        zctx.term()
+
+    assert_merged_once(r, keys, ids)
+    assert r.get(fk.global_) == committed
+    assert state_version(r, keys.fragment(OTHER)) == 0
+
+
+def test_duplicate_pushes_are_merged_once(r, redis_url):
+    cfg = recovery_config()
+    run = "dupes"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    first, fields = push_contribution(r, keys, cfg, L0)
+    dup = push(r, keys, P, fields)  # the same fields again, as a retried XADD does
+    second = push_contribution(r, keys, cfg, L1)[0]
+    want_version, want = reference_round(cfg, P, [contribution(cfg, L0, first),
+                                                  contribution(cfg, L1, second)])
+
+    assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
+    rec = assert_merged_once(r, keys, [first, second])
+    assert rec["dropped"] == [[dup, "duplicate"]]
+    version, values = global_value(r, fk)
+    assert version == want_version == 1
+    assert_values_equal(values, want)
+
+    # a late duplicate (after its round closed, syncer restarted): acknowledged, not merged
+    late = push(r, keys, P, fields)
+    t = SyncerThread(SyncerConfig(redis_url, run)).start()
+
+    def dropped_late():
+        events = [f for _, f in r.xrange(keys.events)]
+        return xpending_count(r, fk) == 0 and any(
+            e[b"kind"] == b"dropped" and e.get(b"entry") == late.encode() for e in events)
+
+    try:
+        wait_for(dropped_late, timeout_s=15, what="the late duplicate to be dropped and acked")
+    finally:
+        registry.request_stop(r, keys)
+    assert t.join(r, keys) == 0
+    assert_merged_once(r, keys, [first, second])
+    assert r.xlen(fk.dlq) == 0
+
+
+def test_malformed_entries_go_to_the_dlq_and_the_round_still_closes(r, redis_url):
+    cfg = recovery_config()
+    run = "malformed"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    good0, fields = push_contribution(r, keys, cfg, L0)
+    garbage = b"\x93not msgpack at all\xc1"
+    bad = {
+        # payload consistent with nbytes and sha256, but not a tensor document
+        "garbage": push(r, keys, P, {**fields, "learner": "L2", "payload": garbage,
+                                     "nbytes": len(garbage),
+                                     "sha256": codec.sha256_hex(garbage)}),
+        # a valid payload whose checksum does not match
+        "sha256": push(r, keys, P, {**fields, "learner": "L3", "sha256": "0" * 64}),
+        # an entry of fragment 0 pushed into fragment 1's stream
+        "fragment": push(r, keys, P, contribution_fields("L4", OTHER,
+                                                         make_delta(cfg, OTHER, 4))),
+        # fields missing
+        "missing": push(r, keys, P, {"learner": "L5"}),
+    }
+    good1 = push_contribution(r, keys, cfg, L1)[0]
+    want_version, want = reference_round(cfg, P, [contribution(cfg, L0, good0),
+                                                  contribution(cfg, L1, good1)])
+
+    assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
+
+    dlq = {e[b"dlq_source_id"].decode(): e for e in dlq_entries(r, fk)}
+    assert set(dlq) == set(bad.values())
+    reasons = {name: dlq[i][b"dlq_reason"].decode() for name, i in bad.items()}
+    assert all(x.startswith("malformed entry") for x in reasons.values()), reasons
+    assert "sha256 mismatch" in reasons["sha256"]
+    assert "fragment" in reasons["fragment"]
+    assert "lacks field" in reasons["missing"]
+    assert dlq[bad["garbage"]][b"payload"] == garbage  # the original fields travel along
+    assert dlq[bad["sha256"]][b"learner"] == b"L3"
+    assert_merged_once(r, keys, [good0, good1])  # XPENDING 0: the bad ones were acked too
+    version, values = global_value(r, fk)
+    assert version == want_version == 1
+    assert_values_equal(values, want)
+    events = [f for _, f in r.xrange(keys.events)]
+    assert sum(e[b"kind"] == b"dead-letter" for e in events) == len(bad)
+
+
+def test_another_consumer_claims_entries_of_a_dead_one(tmp_path, r, redis_url):
+    cfg = recovery_config(claim_idle_ms=300)
+    run = "claim"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+
+    crash_syncer(tmp_path, redis_url, run, "--fail-before-commit", 17)
+    assert pending_by_consumer(r, fk) == {"syncer-0": 2}
+    # the dead syncer's leases run out (fast-forwarded instead of waiting broker.lease_ms)
+    assert r.get(fk.lease) == b"syncer-0"
+    for p in (OTHER, P):
+        r.delete(keys.fragment(p).lease)
+    assert state_version(r, fk) == 0
+    want_version, want = reference_round(cfg, P, [contribution(cfg, w, i)
+                                                  for w, i in zip((L0, L1), ids, strict=True)])
+
+    cfg1 = SyncerConfig(redis_url, run, syncer_id="syncer-1", max_rounds=1)
+    assert SyncerThread(cfg1).start().join(r, keys) == 0
+
+    assert_merged_once(r, keys, ids, syncer="syncer-1")
+    assert pending_by_consumer(r, fk) == {"syncer-0": 0, "syncer-1": 0}
+    version, values = global_value(r, fk)
+    assert version == want_version == 1
+    assert_values_equal(values, want)
+    assert r.xlen(fk.dlq) == 0
+
+
+def test_start_survives_an_initialisation_longer_than_the_lease(r, redis_url, monkeypatch):
+    """A fresh run: start() takes the lease of fragment 0, then builds the initial parameters
+    (JAX start-up and compilation: ~3 s in a fresh process, longer for big models) before the
+    fenced `init_fragment`. Nobody else wants the fragment, so an expired lease must be taken
+    again, not end the syncer with LeaseLost("lease held by another syncer")."""
+    import workers.syncer as syncer_mod
+
+    cfg = recovery_config(lease_ms=1000)
+    run = "slow-init"
+    keys = store_run(r, run, cfg)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+    want_version, want = reference_round(cfg, P, [contribution(cfg, w, i)
+                                                  for w, i in zip((L0, L1), ids, strict=True)])
+    real_init = syncer_mod.init_params
+
+    def slow_init(model_cfg, seed):
+        wait_for(lambda: r.get(keys.fragment(OTHER).lease) is None, timeout_s=10,
+                 what="the lease of fragment 0 to run out during initialisation")
+        return real_init(model_cfg, seed)
+
+    monkeypatch.setattr(syncer_mod, "init_params", slow_init)
+    assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
+    assert_merged_once(r, keys, ids)
+    version, values = global_value(r, keys.fragment(P))
+    assert version == want_version == 1
+    assert_values_equal(values, want)
+
+
+def test_waiting_round_does_not_inflate_delivery_counts_of_its_own_entries(r, redis_url):
+    """A round waiting for its quorum longer than claim_idle_ms must not XAUTOCLAIM its own
+    open-round entries again and again: every claim bumps their delivery count, and after a
+    restart the healthy entries are dead-lettered as "delivered more than max_deliveries
+    times" (and the round can no longer reach its quorum)."""
+    cfg = recovery_config(claim_idle_ms=100, max_deliveries=3)
+    run = "self-claim"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    first = push_contribution(r, keys, cfg, L0)[0]
+    FragmentStreams(r, keys).ensure_group(P)  # as the syncer does (XPENDING needs the group)
+
+    def deliveries():
+        rows = r.xpending_range(fk.frags, GROUP, "-", "+", 10)
+        return int(rows[0]["times_delivered"]) if rows else 0
+
+    t = SyncerThread(SyncerConfig(redis_url, run)).start()
+    try:
+        wait_for(deliveries, timeout_s=15, what="the syncer to read L0's entry")
+        # the round holds L0's entry and waits for L1 (quorum 2): let it wait ~20 claim
+        # periods (claim_idle_ms / 2 each), or stop early once the count passed the limit
+        poll_until(lambda: deliveries() > 3, timeout_s=2.0)
+        held = deliveries()
+    finally:
+        registry.request_stop(r, keys)
+    assert t.join(r, keys) == 0
+    r.delete(keys.stop)
+
+    # restart; L1 arrives: the round must close with both entries
+    second = push_contribution(r, keys, cfg, L1)[0]
+    t = SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start()
+    try:
+        wait_for(lambda: r.xlen(fk.rounds) or r.xlen(fk.dlq), timeout_s=15,
+                 what="a round record or a dead letter")
+    finally:
+        if not r.xlen(fk.rounds):
+            registry.request_stop(r, keys)
+    t.join(r, keys)
+    reasons = [e[b"dlq_reason"].decode() for e in dlq_entries(r, fk)]
+    assert reasons == [], f"{reasons}; L0's entry was delivered {held} times while waiting"
+    assert_merged_once(r, keys, [first, second])

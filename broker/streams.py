@@ -185,9 +185,14 @@ class FragmentStreams:
 
     def commit_round(self, p: int, owner: str, *, state: bytes, snapshot: bytes, version: int,
                      record: Mapping[str, str | int | float], ack_ids: list[str],
-                     drop_sent_version: int | None, extra_sent: Mapping[int, bytes] | None = None
-                     ) -> str:
+                     drop_sent_version: int | None, extra_sent: Mapping[int, bytes] | None = None,
+                     earlier_records: list[Mapping] | None = None) -> str:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
+
+        Round records get the stream id ``<version>-0`` (``XRANGE …:rounds 12 12`` is round
+        12), which makes a commit idempotent: re-committing a round whose record already exists
+        (a retried EXEC, or a re-commit after Redis lost its last second) rewrites the same
+        state and skips the record. `earlier_records` re-adds records Redis lost.
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
@@ -205,16 +210,21 @@ class FragmentStreams:
                 pipe.set(fk.sent(v), blob)
             if drop_sent_version is not None and drop_sent_version >= 0:
                 pipe.delete(fk.sent(drop_sent_version))
-            pipe.xadd(fk.rounds, {k: (json.dumps(v) if isinstance(v, list | dict) else v)
-                                  for k, v in record.items()})
+            records = [*(earlier_records or []), record]
+            for rec in records:
+                pipe.xadd(fk.rounds, {k: (json.dumps(v) if isinstance(v, list | dict) else v)
+                                      for k, v in rec.items()}, id=f"{int(rec['version'])}-0")
             if ack_ids:
                 pipe.xack(fk.frags, GROUP, *ack_ids)
-            result = pipe.execute()
+            result = pipe.execute(raise_on_error=False)
         except redis.WatchError as e:
             raise LeaseLost(f"fragment {p}: lease changed during the commit") from e
         finally:
             pipe.reset()
-        return _id(result[-2] if ack_ids else result[-1])
+        for res in result:
+            if isinstance(res, redis.ResponseError) and "equal or smaller" not in str(res):
+                raise res  # anything but "this round record exists already"
+        return f"{int(record['version'])}-0"
 
     def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ class LearnerConfig:
     sync: bool = True              # False: train alone (the "syncing off" baseline)
     wait_config_s: float = 60.0
     final_timeout_s: float = 300.0
+    state_dir: str | None = None   # inner-optimiser checkpoint and acknowledged-push log
+    checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
+    sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
 
 
@@ -72,7 +76,13 @@ class Learner:
             raise ValueError(f"learner {cfg.learner_id}: shard {shard} is out of range "
                              f"[0, {ctx.cfg.learners - 1}]")
         self.shard = shard
-        self.net = LearnerNet(ctx, self.id, zctx)
+        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else None
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.net = LearnerNet(ctx, self.id, zctx,
+                              acked_log=self.state_dir / f"{self.id}.acked.jsonl"
+                              if self.state_dir else None,
+                              sub_endpoints=cfg.sub_endpoints)
         self.tokens_per_step = ctx.cfg.inner.batch_size * ctx.cfg.model.seq_len
         self.secs = [0.0] * len(ctx.fragments)
         self.step_s = 0.0
@@ -148,8 +158,8 @@ class Learner:
         step_fn = make_step(run_cfg.model, opt)
         opt_state = opt.init(self.params)
         self._push_time: dict[int, float] = {}
-        self.step = 0
-        tokens = 0
+        self.step, tokens, opt_state = self._resume(opt_state)
+        every = cfg.checkpoint_every or self.sync.delta_h
         t_rate, tok_rate = time.monotonic(), 0
         t_train = time.monotonic()
         while self.step < run_cfg.steps:
@@ -186,6 +196,8 @@ class Learner:
                                  "step_s": self.step_s, "versions": self.core.base_version,
                                  "loss": float(metrics["loss"]), "pid": os.getpid(),
                                  "host": socket.gethostname(), "shard": self.shard}
+            if self.state_dir is not None and self.step % every == 0:
+                self._checkpoint(opt_state, tokens)
             if cfg.fail_at_step and self.step == cfg.fail_at_step:
                 os._exit(19)  # fault injection: die abruptly mid-run
             if self.net.stop_seen:
@@ -194,6 +206,42 @@ class Learner:
         self.train_s = time.monotonic() - t_train
         self.steady_steps_per_s = ((self.step - 1) / (time.monotonic() - t_first)
                                    if self.step > 1 else 0.0)
+
+    def _ckpt_path(self) -> Path | None:
+        return self.state_dir / f"{self.id}.ckpt.npz" if self.state_dir else None
+
+    def _checkpoint(self, opt_state, tokens: int) -> None:
+        """Inner-optimiser state and position, written atomically (temp file + rename)."""
+        path = self._ckpt_path()
+        leaves = jax.tree_util.tree_leaves(opt_state)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, step=self.step, tokens=tokens, run_hash=self.ctx.run_hash,
+                 **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
+        os.replace(tmp, path)
+
+    def _resume(self, opt_state):
+        """(step, tokens, inner optimiser state) to continue from after a restart.
+
+        From the learner's own checkpoint when it has one; else the step from its last
+        heartbeat in Redis with a fresh inner optimiser; else from scratch.
+        """
+        path = self._ckpt_path()
+        if path is not None and path.exists():
+            with np.load(path) as z:
+                if str(z["run_hash"]) == self.ctx.run_hash:
+                    treedef = jax.tree_util.tree_structure(opt_state)
+                    n = treedef.num_leaves
+                    leaves = [jnp.asarray(z[f"leaf{i}"]) for i in range(n)]
+                    step, tokens = int(z["step"]), int(z["tokens"])
+                    registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
+                                   step=step, source="checkpoint")
+                    return step, tokens, jax.tree_util.tree_unflatten(treedef, leaves)
+        rec = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
+        if rec and rec.get("step"):
+            registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
+                           step=rec["step"], source="heartbeat")
+            return int(rec["step"]), int(rec.get("tokens", 0)), opt_state
+        return 0, 0, opt_state
 
     def _pace(self, t0: float) -> None:
         target = max(self.cfg.pace_s, 0.0)
@@ -296,12 +344,21 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="pad each inner step to this wall time (emulate dedicated chips)")
     ap.add_argument("--delay-s", type=float, default=0.0, help="extra seconds per step")
     ap.add_argument("--no-sync", action="store_true", help="train without syncing")
+    ap.add_argument("--state-dir", default=None,
+                    help="folder for this learner's inner-optimiser checkpoint (resumed on "
+                         "restart) and its log of acknowledged pushes")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="inner steps between checkpoints (default: every Δh steps)")
+    ap.add_argument("--sub-endpoint", action="append", default=[],
+                    help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
-                         not a.no_sync, fail_at_step=a.fail_at_step)
+                         not a.no_sync, state_dir=a.state_dir,
+                         checkpoint_every=a.checkpoint_every,
+                         sub_endpoints=tuple(a.sub_endpoint), fail_at_step=a.fail_at_step)
 
 
 if __name__ == "__main__":

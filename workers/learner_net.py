@@ -8,11 +8,13 @@ in-memory queue until Redis takes them.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 import zmq
@@ -35,15 +37,16 @@ class NetStats:
     bytes_received: int = 0  # ZeroMQ frames + snapshot reads
     snapshot_bytes: int = 0
     snapshots_read: int = 0
+    repushed: int = 0
     zmq_gaps: int = 0
     redis_down_s: float = 0.0
-    acked_ids: list[str] = field(default_factory=list)
 
 
 class LearnerNet(threading.Thread):
     """Background I/O of one learner (see module docstring)."""
 
-    def __init__(self, ctx: RunContext, learner_id: str, zctx: zmq.Context):
+    def __init__(self, ctx: RunContext, learner_id: str, zctx: zmq.Context,
+                 acked_log: Path | None = None, sub_endpoints: tuple[str, ...] = ()):
         super().__init__(name=f"net-{learner_id}", daemon=True)
         self.ctx = ctx
         self.id = learner_id
@@ -60,6 +63,9 @@ class LearnerNet(threading.Thread):
         self.stop_seen = False
         self._unsent: list[tuple[int, dict]] = []
         self._last_version: dict[int, int] = {}
+        self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
+        self._acked_log = open(acked_log, "a", buffering=1) if acked_log else None
+        self._sub_endpoints = list(sub_endpoints)
         self._flushed = threading.Condition()
 
     # -- called from the training thread -----------------------------------------------------
@@ -91,7 +97,8 @@ class LearnerNet(threading.Thread):
             now = time.monotonic()
             try:
                 if now >= next_ep:
-                    self.sub.connect(registry.endpoints(self.ctx.r, self.ctx.keys))
+                    self.sub.connect(self._sub_endpoints
+                                     or registry.endpoints(self.ctx.r, self.ctx.keys))
                     self.stop_seen = registry.stop_requested(self.ctx.r, self.ctx.keys)
                     next_ep = now + 1.0
                 if now >= next_hb:
@@ -101,6 +108,7 @@ class LearnerNet(threading.Thread):
                 self._send_pushes()
                 self._serve_snapshots()
                 if down_since is not None:
+                    self._verify_last_pushes()
                     self.stats.redis_down_s += now - down_since
                     registry.event(self.ctx.r, self.ctx.keys, "reconnect", learner=self.id,
                                    down_s=round(now - down_since, 3))
@@ -131,12 +139,34 @@ class LearnerNet(threading.Thread):
             fragment, fields = self._unsent[0]
             entry_id = self.streams.push(fragment, fields)  # raises when Redis is down
             self._unsent.pop(0)
-            self.stats.pushes_acked += 1
-            self.stats.acked_ids.append(entry_id)
+            self._acked(fragment, entry_id, fields)
             self.stats.bytes_sent += sum(len(k) + len(v if isinstance(v, bytes | str) else str(v))
                                          for k, v in fields.items())
             with self._flushed:
                 self._flushed.notify_all()
+
+    def _acked(self, fragment: int, entry_id: str, fields: dict, repush: bool = False) -> None:
+        self.stats.pushes_acked += 1
+        self._last_push[fragment] = (entry_id, fields)
+        if self._acked_log is not None:  # the chaos harness's independent record of acks
+            self._acked_log.write(json.dumps({
+                "id": entry_id, "fragment": fragment, "learner": self.id,
+                "base_version": int(fields["base_version"]), "step": int(fields["step"]),
+                "repush": repush, "t": time.time()}) + "\n")
+
+    def _verify_last_pushes(self) -> None:
+        """After an outage: a push Redis acknowledged but lost (restart from an AOF missing its
+        last second) is pushed again; the syncer dedupes if it was merged after all."""
+        for p, (entry_id, fields) in list(self._last_push.items()):
+            if self.ctx.r.xrange(self.ctx.keys.fragment(p).frags, entry_id, entry_id):
+                continue
+            new_id = self.streams.push(p, fields)
+            self.stats.repushed += 1
+            log.warning("%s: push %s of fragment %d vanished from Redis; pushed again as %s",
+                        self.id, entry_id, p, new_id)
+            registry.event(self.ctx.r, self.ctx.keys, "repush", learner=self.id, fragment=p,
+                           lost_id=entry_id, new_id=new_id)
+            self._acked(p, new_id, fields, repush=True)
 
     def _serve_snapshots(self) -> None:
         wanted = set()
@@ -181,3 +211,5 @@ class LearnerNet(threading.Thread):
     def close(self, timeout_s: float = 5.0) -> None:
         self.stop_event.set()
         self.join(timeout_s)
+        if self._acked_log is not None:
+            self._acked_log.close()

@@ -15,9 +15,11 @@ import os
 import socket
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import redis
 import zmq
 
 from broker import codec, registry
@@ -60,6 +62,10 @@ class _Frag:
     final_seen: set[str] = field(default_factory=set)
     finished: bool = False
     recent_min_ids: list[str] = field(default_factory=list)       # oldest id of recent rounds
+    # recent round records with their acknowledged ids, and recent snapshots: enough to
+    # re-commit what Redis lost if it restarts from an AOF missing its last second
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))
+    snapshots: dict[int, bytes] = field(default_factory=dict)
 
 
 class Syncer:
@@ -116,6 +122,7 @@ class Syncer:
                 state_blob, _ = self.streams.load_state(p)
             core = self._restore(p, state_blob)
             self.frags[p] = _Frag(core)
+            self.frags[p].snapshots[core.version] = self._snapshot(core)
         registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
         registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
                        fragments=self.owned, endpoint=self.pub.endpoint)
@@ -180,8 +187,8 @@ class Syncer:
 
     def _offer(self, e: Entry) -> None:
         f = self.frags.get(e.fragment)
-        if f is None:
-            return
+        if f is None or e.entry_id in f.entries:
+            return  # not ours, or re-delivered while already held in the open round
         try:
             meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes)
             if meta.fragment != e.fragment:
@@ -286,9 +293,14 @@ class Syncer:
             os._exit(17)  # fault injection: die with the round merged but not committed
         record = self._record(result, t0)
         oldest = result.version - self.sync.max_staleness - 1
+        snapshot = self._snapshot(f.core)
+        acks = list(f.entries) + f.ack_extra
+        f.recent.append((record, acks))
+        f.snapshots[result.version] = snapshot
+        f.snapshots.pop(oldest, None)
         self.streams.commit_round(
-            p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=self._snapshot(f.core),
-            version=result.version, record=record, ack_ids=list(f.entries) + f.ack_extra,
+            p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=snapshot,
+            version=result.version, record=record, ack_ids=acks,
             drop_sent_version=oldest if oldest >= 0 else None)
         if self.cfg.fail_after_commit and self.commits == self.cfg.fail_after_commit:
             os._exit(18)  # fault injection: committed, never published
@@ -375,9 +387,54 @@ class Syncer:
         return True
 
     def run_forever(self) -> int:
-        while not self.poll_once():
-            pass
-        return 0
+        """Poll until the run ends; ride out Redis outages (backoff, then resync)."""
+        backoff_s, outage_since = 0.1, None
+        while True:
+            try:
+                if outage_since is not None:
+                    self._resync()
+                    registry.event(self.ctx.r, self.ctx.keys, "syncer-reconnect",
+                                   syncer=self.cfg.syncer_id,
+                                   down_s=round(time.monotonic() - outage_since, 3))
+                    log.warning("Redis is back after %.1f s; state resynced",
+                                time.monotonic() - outage_since)
+                    outage_since, backoff_s = None, 0.1
+                if self.poll_once():
+                    return 0
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning("Redis unreachable (%s); retrying with backoff", e)
+                time.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, 2.0)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                outage_since = outage_since or time.monotonic()  # the stream vanished: resync
+
+    def _resync(self) -> None:
+        """After an outage: re-create groups, retake leases, re-commit rounds Redis lost."""
+        for p, f in self.frags.items():
+            self.streams.ensure_group(p)
+            if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
+                raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
+            blob, _ = self.streams.load_state(p)
+            stored = int(unpack_state(blob)["version"]) if blob else -1
+            if stored >= f.core.version:
+                continue
+            lost = [(rec, acks) for rec, acks in f.recent if int(rec["version"]) > stored]
+            log.error("fragment %d: Redis is at version %d, this syncer at %d; re-committing "
+                      "%d round(s)", p, stored, f.core.version, len(lost))
+            if not lost or int(lost[-1][0]["version"]) != f.core.version:
+                raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
+            self.streams.commit_round(
+                p, self.cfg.syncer_id, state=self._state_blob(f.core),
+                snapshot=f.snapshots[f.core.version], version=f.core.version,
+                record=lost[-1][0], earlier_records=[rec for rec, _ in lost[:-1]],
+                ack_ids=[i for _, acks in lost for i in acks], drop_sent_version=None,
+                extra_sent={v: b for v, b in f.snapshots.items() if v > stored})
+            registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,
+                           redis_version=stored, version=f.core.version)
 
 
 def main(cfg: SyncerConfig) -> int:

@@ -1,0 +1,440 @@
+"""`diloco replay`: rebuild every fragment's global values offline and verify them bit for bit.
+
+For each fragment, replay starts from version 0 (the model initialisation of the stored run
+configuration, restricted to the fragment's tensors; cross-checked against the ``sent:0``
+snapshot while Redis still holds it) and walks the fragment's ``:rounds`` stream in order. For
+each round record it fetches the entries the record says were merged (from the fragment stream,
+or from the archive folder given with ``--archive``), decodes them, offers them to a fresh
+:class:`pipeline.syncer.FragmentSyncer` in the recorded order, closes the round and compares:
+the sha256 of the new down-link value with the recorded ``hash``, each entry's weight and
+staleness, the round's version and token/step totals. Snapshots still in Redis (``sent:<v>``,
+``global``) and the committed ``state`` (fp32 Θ and outer momentum) are cross-checked too.
+
+A fragment stops at its first divergence, which is reported with the round's inputs (entry ids,
+learners, base versions, steps, tokens, weights, staleness, where each entry was read from).
+
+Exit codes: 0 every requested round verified; 1 a divergence; 2 unusable input (no stored
+configuration, merged entries neither in Redis nor in the archive — listed —, a malformed
+record). The ``--json`` output is one object; its keys are documented in :func:`replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import redis
+
+from broker import archive as archmod
+from broker import codec, registry
+from broker.connection import connect
+from broker.errors import BrokerError, DecodeError
+from broker.keys import FragmentKeys, RunKeys
+from broker.state import unpack_state
+from pipeline import config as cfgmod
+from pipeline import quant
+from pipeline.fragments import partition
+from pipeline.model import init_params, param_shapes
+from pipeline.syncer import Contribution, FragmentSyncer, sent_hash
+
+EXIT_OK, EXIT_DIVERGED, EXIT_UNUSABLE = 0, 1, 2
+_PAGE = 500
+
+
+class _Unusable(Exception):
+    """Replay cannot continue for a reason that is not a divergence (malformed input)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``replay`` subcommand to the ``diloco`` parser.
+
+    Args:
+        sub: The subparsers object of the top-level parser.
+    """
+    p = sub.add_parser(
+        "replay", help="rebuild the global values offline and verify every round's hash",
+        description="Replay a run's rounds from its fragment streams (and archive) and verify "
+        "each new value bit for bit against the recorded hash. Exit 0: verified; 1: a "
+        "divergence (reported with the round's inputs); 2: unusable input.")
+    p.add_argument("--redis-url", required=True, help="Redis holding the run")
+    p.add_argument("--run", required=True, help="run name")
+    p.add_argument("--fragment", type=int, default=None, metavar="P",
+                   help="replay only fragment P (default: all)")
+    p.add_argument("--until", type=int, default=None, metavar="VERSION",
+                   help="stop after the round that produced VERSION")
+    p.add_argument("--archive", default=None, metavar="DIR",
+                   help="also read archived entries (msgpack files) from DIR")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``diloco replay``: print the report, return the exit code."""
+    report = replay(args.redis_url, args.run, fragment=args.fragment, until=args.until,
+                    archive_dir=args.archive)
+    if args.json:
+        json.dump(report, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(render(report))
+    sys.stdout.flush()
+    return exit_code(report)
+
+
+def exit_code(report: dict) -> int:
+    """1 if any fragment diverged, else 2 if any input was unusable, else 0."""
+    frags = report["fragments"]
+    if any(f["divergence"] is not None for f in frags):
+        return EXIT_DIVERGED
+    if report["error"] is not None or any(not f["verified"] for f in frags):
+        return EXIT_UNUSABLE
+    return EXIT_OK
+
+
+def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
+           until: int | None = None, archive_dir: str | Path | None = None) -> dict:
+    """Replay a run and return the report (the stable ``--json`` document).
+
+    Keys: ``run``, ``config_hash``, ``until``, ``archive``, ``error`` (null or why nothing could
+    be replayed), ``status`` ("verified", "diverged" or "incomplete"), ``ok`` (true iff
+    verified), ``rounds_checked`` (total) and ``fragments``: one object per replayed fragment
+    with ``fragment``, ``rounds`` (length of its rounds stream), ``rounds_checked``,
+    ``last_version`` (last verified version, 0 if none), ``verified``, ``divergence`` (null or
+    see :func:`_divergence`), ``missing_entries`` (merged entry ids found nowhere, sorted),
+    ``entries_from`` (``{"redis": n, "archive": n}``), ``snapshots_checked`` (versions whose
+    snapshot in Redis matched), ``state_checked`` (the committed fp32 state matched) and
+    ``error`` (null or why the fragment could not be replayed).
+    """
+    report: dict[str, Any] = {"run": run_name, "config_hash": None, "until": until,
+                              "archive": None if archive_dir is None else str(archive_dir),
+                              "error": None, "fragments": []}
+    try:
+        keys = RunKeys(run_name)
+        r = connect(redis_url)
+        toml_text, run_hash = registry.load_config(r, keys)
+        cfg = cfgmod.from_dict(tomllib.loads(toml_text))
+        report["config_hash"] = run_hash
+        if cfg.run_hash() != run_hash:
+            raise _Unusable(f"stored configuration of run {run_name!r} does not match its hash")
+        frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        todo = list(range(len(frags))) if fragment is None else [fragment]
+        if fragment is not None and not 0 <= fragment < len(frags):
+            raise _Unusable(f"--fragment {fragment}: the run has fragments 0..{len(frags) - 1}")
+        init = {k: np.asarray(v) for k, v in init_params(cfg.model, cfg.seed).items()}
+        for p in todo:
+            theta0 = {n: init[n] for n in frags[p]}
+            rep = _Replay(r, keys, cfg, p, theta0, until, archive_dir)
+            report["fragments"].append(rep.run())
+    except (_Unusable, BrokerError, cfgmod.ConfigError, ValueError, OSError,
+            redis.RedisError) as e:
+        report["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, _Unusable) else str(e)
+    frags_rep = report["fragments"]
+    report["rounds_checked"] = sum(f["rounds_checked"] for f in frags_rep)
+    code = exit_code(report)
+    report["status"] = {EXIT_OK: "verified", EXIT_DIVERGED: "diverged"}.get(code, "incomplete")
+    report["ok"] = code == EXIT_OK
+    return report
+
+
+@dataclass
+class _Replay:
+    """Replay of one fragment (see the module docstring)."""
+
+    r: redis.Redis
+    keys: RunKeys
+    cfg: cfgmod.RunConfig
+    p: int
+    theta0: dict[str, np.ndarray]
+    until: int | None
+    archive_dir: str | Path | None
+    out: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> dict[str, Any]:
+        fk: FragmentKeys = self.keys.fragment(self.p)
+        self.fk = fk
+        self.max_bytes = self.cfg.broker.max_payload_bytes
+        self.out = {"fragment": self.p, "rounds": int(self.r.xlen(fk.rounds)),
+                    "rounds_checked": 0, "last_version": 0, "verified": False,
+                    "divergence": None, "missing_entries": [],
+                    "entries_from": {"redis": 0, "archive": 0}, "snapshots_checked": [],
+                    "state_checked": False, "error": None}
+        try:
+            self.archived = ({} if self.archive_dir is None else
+                             archmod.load_archive(self.archive_dir, self.keys.run, self.p))
+            self._replay()
+        except (_Unusable, DecodeError, ValueError) as e:
+            self.out["error"] = str(e)
+        o = self.out
+        o["missing_entries"] = sorted(set(o["missing_entries"]), key=_id_key)
+        o["verified"] = o["divergence"] is None and not o["missing_entries"] and not o["error"]
+        return o
+
+    def _replay(self) -> None:
+        core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync())
+        problem = self._check_snapshot(0, sent_hash(core.sent))
+        if problem:
+            self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,
+                                                 sent_hash(core.sent), [], [])
+            return
+        records = self._records()
+        for rid, rec in records:
+            if self.until is not None and rec["version"] > self.until:
+                return
+            inputs = self._fetch(rec["included"])
+            if self.out["missing_entries"]:
+                self._list_missing(records)
+                return
+            if not self._round(core, rid, rec, inputs):
+                return
+            self.out["rounds_checked"] += 1
+            self.out["last_version"] = core.version
+        self._check_state(core)
+
+    # -- one round -----------------------------------------------------------------------------
+
+    def _round(self, core: FragmentSyncer, rid: str, rec: dict, inputs: dict) -> bool:
+        """Replay one round; False (with the divergence recorded) if anything differs."""
+        version, problems, rows, kind = rec["version"], [], [], ""
+
+        def bad(k: str, text: str) -> None:
+            nonlocal kind
+            kind = kind or k
+            problems.append(text)
+
+        if version != core.version + 1:
+            bad("version", f"record says version {version}, replay is at {core.version}")
+        for entry_id, learner, weight, staleness in rec["included"]:
+            fields, source = inputs[entry_id]
+            row = {"entry_id": entry_id, "source": source, "learner": learner,
+                   "recorded_weight": weight, "recorded_staleness": staleness, "weight": None,
+                   "staleness": None, "base_version": None, "step": None, "steps": None,
+                   "tokens": None, "accepted": False, "refusal": None}
+            rows.append(row)
+            try:
+                meta, tensors = codec.parse_entry(fields, max_bytes=self.max_bytes)
+            except DecodeError as e:
+                row["refusal"] = f"malformed entry: {e}"
+                bad("decode", f"entry {entry_id}: {e}")
+                continue
+            row.update(base_version=meta.base_version, step=meta.step, steps=meta.steps,
+                       tokens=meta.tokens)
+            if meta.fragment != self.p or meta.learner != learner:
+                bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
+                    f"{meta.fragment}, the record says learner {learner!r} fragment {self.p}")
+            delta = {k: quant.dequantize(q) for k, q in tensors.items()}
+            c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step,
+                             meta.steps, meta.tokens, delta, entry_id=entry_id,
+                             nbytes=len(fields.get(b"payload", b"")))
+            ok, why = core.offer(c, 0.0)
+            row["accepted"], row["refusal"] = ok, None if ok else why
+            if not ok:
+                bad("refused", f"entry {entry_id} was merged by the syncer, replay refuses it: "
+                    f"{why}")
+                continue
+        recomputed = None
+        if any(row["accepted"] for row in rows):
+            result = core.close(0.0, rec["reason"])
+            recomputed = result.sent_hash
+            merged = {entry_id: (w, s) for entry_id, _, w, s in result.included}
+            for row in rows:
+                if row["entry_id"] not in merged:
+                    continue
+                row["weight"], row["staleness"] = merged[row["entry_id"]]
+                if row["weight"] != row["recorded_weight"]:
+                    bad("weight", f"entry {row['entry_id']}: weight {row['weight']!r}, "
+                        f"recorded {row['recorded_weight']!r}")
+                if row["staleness"] != row["recorded_staleness"]:
+                    bad("staleness", f"entry {row['entry_id']}: staleness {row['staleness']}, "
+                        f"recorded {row['recorded_staleness']}")
+            if result.sent_hash != rec["hash"]:
+                bad("hash", f"value hash {result.sent_hash} differs from the recorded "
+                    f"{rec['hash']}")
+            for name in ("tokens", "steps"):
+                got = getattr(result, name)
+                if rec[name] is not None and got != rec[name]:
+                    bad("totals", f"{name}: {got}, recorded {rec[name]}")
+            if not problems:
+                problem = self._check_snapshot(version, result.sent_hash)
+                if problem:
+                    bad("snapshot", problem)
+        elif not problems:
+            bad("record", "the record lists no merged entries")
+        if problems:
+            self.out["divergence"] = _divergence(version, rid, rec["reason"], kind, problems,
+                                                 rec["hash"], recomputed, rows, rec["dropped"])
+            return False
+        return True
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _records(self) -> Iterator[tuple[str, dict]]:
+        """The fragment's round records, oldest first, parsed (pages of XRANGE)."""
+        start = "-"
+        while True:
+            page = self.r.xrange(self.fk.rounds, start, "+", count=_PAGE)
+            for rid, fields in page:
+                yield _s(rid), _parse_record(_s(rid), fields)
+            if len(page) < _PAGE:
+                return
+            start = "(" + _s(page[-1][0])
+
+    def _fetch(self, included: list) -> dict[str, tuple[dict, str]]:
+        """Entry id → (raw fields, "redis" | "archive"); ids found nowhere go to the report."""
+        ids = [row[0] for row in included]
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.fk.frags, entry_id, entry_id)
+        out = {}
+        for entry_id, rows in zip(ids, pipe.execute(), strict=True):
+            if rows and rows[0][1]:
+                out[entry_id] = (rows[0][1], "redis")
+            elif entry_id in self.archived:
+                out[entry_id] = (self.archived[entry_id], "archive")
+            else:
+                self.out["missing_entries"].append(entry_id)
+                continue
+            self.out["entries_from"][out[entry_id][1]] += 1
+        return out
+
+    def _list_missing(self, records: Iterator[tuple[str, dict]]) -> None:
+        """After a round with missing entries: list what the remaining rounds lack too."""
+        for _, rec in records:
+            if self.until is not None and rec["version"] > self.until:
+                return
+            ids = [row[0] for row in rec["included"] if row[0] not in self.archived]
+            pipe = self.r.pipeline(transaction=False)
+            for entry_id in ids:
+                pipe.xrange(self.fk.frags, entry_id, entry_id)
+            self.out["missing_entries"] += [i for i, rows in zip(ids, pipe.execute(), strict=True)
+                                            if not rows]
+
+    # -- cross-checks against what Redis still holds ---------------------------------------------
+
+    def _check_snapshot(self, version: int, recomputed: str) -> str | None:
+        """Compare with the `sent:<version>` snapshot if Redis still holds it."""
+        blob = self.r.get(self.fk.sent(version))
+        if blob is None:
+            return None
+        header, tensors = codec.unpack_snapshot(blob, max_bytes=self.max_bytes)
+        stored = sent_hash(tensors)
+        if header.version != version or stored != recomputed:
+            what = "the initial value from the configuration" if version == 0 else "replay"
+            return (f"snapshot sent:{version} (version {header.version}, hash {stored}) differs "
+                    f"from {what} (hash {recomputed})")
+        self.out["snapshots_checked"].append(version)
+        return None
+
+    def _check_state(self, core: FragmentSyncer) -> None:
+        """At the committed version: the fp32 Θ and the outer momentum must match exactly."""
+        blob = self.r.get(self.fk.state)
+        if blob is None:
+            return
+        state = unpack_state(blob)
+        if int(state["version"]) != core.version:
+            return
+        mine = jax.tree_util.tree_leaves(core.opt_state)
+        same = (set(state["theta"]) == set(core.theta)
+                and all(np.array_equal(state["theta"][k], core.theta[k]) for k in core.theta)
+                and len(state["momentum"]) == len(mine)
+                and all(np.array_equal(np.asarray(a), np.asarray(b))
+                        for a, b in zip(state["momentum"], mine, strict=True)))
+        if not same:
+            self.out["divergence"] = _divergence(
+                core.version, None, "", "state",
+                [f"the committed state at version {core.version} (fp32 value and momentum) "
+                 f"differs from replay although every round hash matched"], None, None, [], [])
+            return
+        self.out["state_checked"] = True
+
+
+def _divergence(version: int, record_id: str | None, reason: str, kind: str,
+                problems: list[str], recorded: str | None, recomputed: str | None,
+                inputs: list[dict], dropped: list) -> dict:
+    """The first divergence of a fragment.
+
+    Keys: ``version`` (the round's new version; 0 for the initial value), ``record_id``,
+    ``reason`` (the recorded close reason), ``kind`` (the first problem: "initial", "version",
+    "decode", "entry", "refused", "weight", "staleness", "hash", "totals", "snapshot",
+    "record" or "state"), ``problems`` (every difference found in the round, in words),
+    ``recorded_hash``, ``recomputed_hash`` (null if the round could not be closed), ``inputs``
+    (per merged entry, in merge order: ``entry_id``, ``source``, ``learner``,
+    ``base_version``, ``step``, ``steps``, ``tokens``, ``weight``, ``recorded_weight``,
+    ``staleness``, ``recorded_staleness``, ``accepted``, ``refusal``) and ``dropped``
+    (``[entry_id, reason]`` pairs the record lists).
+    """
+    return {"version": version, "record_id": record_id, "reason": reason, "kind": kind,
+            "problems": problems, "recorded_hash": recorded, "recomputed_hash": recomputed,
+            "inputs": inputs, "dropped": dropped}
+
+
+def _parse_record(rid: str, fields: dict) -> dict:
+    """The fields replay needs from a `:rounds` record, validated."""
+    f = {_s(k): _s(v) for k, v in fields.items()}
+    try:
+        included = json.loads(f["included"])
+        dropped = json.loads(f.get("dropped", "[]"))
+        rec = {"version": int(f["version"]), "hash": f["hash"], "reason": f.get("reason", ""),
+               "included": [(str(i), str(learner), float(w), int(s))
+                            for i, learner, w, s in included],
+               "dropped": [[str(i), str(why)] for i, why in dropped],
+               "tokens": int(f["tokens"]) if "tokens" in f else None,
+               "steps": int(f["steps"]) if "steps" in f else None}
+    except (KeyError, ValueError, TypeError) as e:
+        raise _Unusable(f"round record {rid} is malformed: {type(e).__name__}: {e}") from e
+    if len({i for i, *_ in rec["included"]}) != len(rec["included"]):
+        raise _Unusable(f"round record {rid} lists an entry twice")
+    return rec
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def render(report: dict) -> str:
+    """The human-readable report (what ``diloco replay`` prints without ``--json``)."""
+    lines = [f"run {report['run']} (config {report['config_hash']}): {report['status']}, "
+             f"{report['rounds_checked']} rounds checked"]
+    if report["error"]:
+        lines.append(f"  error: {report['error']}")
+    for f in report["fragments"]:
+        src = f["entries_from"]
+        head = (f"  fragment {f['fragment']}: {f['rounds_checked']}/{f['rounds']} rounds, "
+                f"verified up to v{f['last_version']} (entries: {src['redis']} from Redis, "
+                f"{src['archive']} from the archive)")
+        lines.append(head + (" OK" if f["verified"] else ""))
+        if f["error"]:
+            lines.append(f"    error: {f['error']}")
+        if f["missing_entries"]:
+            ids = f["missing_entries"]
+            more = f" … and {len(ids) - 10} more" if len(ids) > 10 else ""
+            lines.append(f"    {len(ids)} merged entries are neither in Redis nor in the "
+                         f"archive: {', '.join(ids[:10])}{more}")
+        d = f["divergence"]
+        if d is not None:
+            lines.append(f"    DIVERGED at v{d['version']} ({d['kind']}; round {d['record_id']}, "
+                         f"{d['reason']!r}): recorded {d['recorded_hash']}, "
+                         f"recomputed {d['recomputed_hash']}")
+            lines += [f"    - {text}" for text in d["problems"]]
+            for row in d["inputs"]:
+                lines.append(
+                    f"    input {row['entry_id']} [{row['source']}] {row['learner']} base "
+                    f"v{row['base_version']} step {row['step']} steps {row['steps']} tokens "
+                    f"{row['tokens']} weight {row['weight']} (recorded {row['recorded_weight']}) "
+                    f"staleness {row['staleness']} (recorded {row['recorded_staleness']})"
+                    + (f" refused: {row['refusal']}" if row["refusal"] else ""))
+            for entry_id, why in d["dropped"]:
+                lines.append(f"    dropped {entry_id}: {why}")
+    return "\n".join(lines)

@@ -14,7 +14,9 @@ key                                   type      contents
                                                 rounds, last reason, heartbeat time)
 ``ddl:<run>:events``                  stream    join, leave, rejoin, timeout, fault, done …
 ``ddl:<run>:done``                    hash      learner id → JSON of its final report
-``ddl:<run>:stop``                    string    set by the launcher to stop every process
+``ddl:<run>:stop``                    string    set to stop every process at once
+``ddl:<run>:finish``                  string    set to end training early: learners stop
+                                                stepping and take part in the final flush
 ====================================  ========  ==============================================
 
 Per-fragment keys share the Redis Cluster hash tag ``{<run>/fNNNN}`` so that one round commits
@@ -57,6 +59,7 @@ class RunKeys:
         self.events = f"{base}:events"
         self.done = f"{base}:done"
         self.stop = f"{base}:stop"
+        self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
 
     def heartbeat(self, learner: str) -> str:

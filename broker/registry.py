@@ -120,3 +120,12 @@ def request_stop(r: redis.Redis, keys: RunKeys) -> None:
 
 def stop_requested(r: redis.Redis, keys: RunKeys) -> bool:
     return bool(r.exists(keys.stop))
+
+
+def request_finish(r: redis.Redis, keys: RunKeys) -> None:
+    """End training early but cleanly: learners stop stepping and flush, syncers finish."""
+    r.set(keys.finish, b"1")
+
+
+def finish_requested(r: redis.Redis, keys: RunKeys) -> bool:
+    return bool(r.exists(keys.finish))

@@ -31,6 +31,7 @@ from broker.keys import GROUP, FragmentKeys, RunKeys
 from pipeline.quant import dequantize
 
 _PAGE = 64  # entries per XRANGE call: bounds the memory held by payloads in flight
+_CLOCK_SKEW_S = 300.0  # tolerated difference between the Redis and the syncer clocks
 
 
 # ----------------------------------------------------------------------------- run access
@@ -135,20 +136,27 @@ def _pending_rows(r: redis.Redis, key: str, count: int) -> dict[str, dict]:
 
 
 def _round_outcomes(r: redis.Redis, fk: FragmentKeys, oldest_id: str | None) -> dict:
-    """entry id → (state, version, reason) from round records newer than ``oldest_id``.
+    """entry id → (state, version, reason) from the round records that may list entries at or
+    after ``oldest_id``.
 
-    A round record is written after every entry it lists, so the walk (newest first) stops at
-    the first record older than the oldest entry still in the stream.
+    Round records (stream ids ``<version>-0``) are walked newest first. A round closes after
+    every entry it lists arrived, so the walk stops at the first record whose close time ``t``
+    is older than the oldest entry's id timestamp by more than ``_CLOCK_SKEW_S`` (the ids come
+    from the Redis clock, ``t`` from the syncer's).
     """
     out: dict[str, tuple[str, int | None, str | None]] = {}
     if oldest_id is None:
         return out
+    floor_s = id_ms(oldest_id) / 1000.0 - _CLOCK_SKEW_S
     end = "+"
     while True:
         batch = r.xrevrange(fk.rounds, max=end, min="-", count=200)
         if not batch:
             return out
         for _, fields in batch:
+            t = _float(fields, "t")
+            if t is not None and t < floor_s:
+                return out
             version = _int(fields, "version")
             for inc in _json_list(fields.get(b"included")):
                 if inc:
@@ -157,10 +165,7 @@ def _round_outcomes(r: redis.Redis, fk: FragmentKeys, oldest_id: str | None) -> 
                 if drop:
                     reason = str(drop[1]) if len(drop) > 1 else None
                     out.setdefault(str(drop[0]), ("dropped", version, reason))
-        last = _s(batch[-1][0])
-        if _id_key(last) < _id_key(oldest_id):
-            return out
-        end = "(" + last
+        end = "(" + _s(batch[-1][0])
 
 
 def _read_stream(r: redis.Redis, key: str, limit: int) -> list[tuple[str, dict]]:
@@ -299,21 +304,33 @@ def tensor_stats(name: str, q) -> dict[str, Any]:
     }
 
 
-def _find_entry(r: redis.Redis, fk: FragmentKeys, entry_id: str) -> tuple[dict, bool] | None:
-    """The fields of ``entry_id`` and whether it came from the dead-letter stream."""
-    for key, dead in ((fk.frags, False), (fk.dlq, True)):
-        rows = r.xrange(key, min=entry_id, max=entry_id, count=1)
+def _find_entry(r: redis.Redis, fk: FragmentKeys, entry_id: str,
+                dead_letter: bool) -> tuple[dict, bool] | None:
+    """The fields of ``entry_id`` and whether they came from the dead-letter stream.
+
+    Stream ids are per stream, so the same id can name a stream entry and a dead letter: the
+    fragment stream is searched first unless ``dead_letter``; the dead-letter stream matches its
+    own ids and the original ids of its entries.
+    """
+    if not dead_letter:
+        rows = r.xrange(fk.frags, min=entry_id, max=entry_id, count=1)
         if rows:
-            return rows[0][1], dead
-    # a dead-lettered entry is also found by its original id
+            return rows[0][1], False
+    rows = r.xrange(fk.dlq, min=entry_id, max=entry_id, count=1)
+    if rows:
+        return rows[0][1], True
     for _, fields in _read_stream(r, fk.dlq, 0):
         if _s(fields.get(b"dlq_source_id")) == entry_id:
             return fields, True
     return None
 
 
-def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str) -> dict[str, Any]:
+def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
+                dead_letter: bool = False) -> dict[str, Any]:
     """One entry's payload statistics (the stable ``inspect --entry --json`` output).
+
+    The entry is looked up in the fragment stream, then in its dead-letter stream (by id or
+    original id); with ``dead_letter`` only in the dead-letter stream.
 
     Returns:
         ``{"run", "fragment", "id", "dead_letter", "dlq_reason", "learner", "base_version",
@@ -331,7 +348,7 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str) -> dict[
     try:
         if not 0 <= fragment < n_frags:
             raise ValueError(f"--fragment {fragment}: run {run!r} has fragments 0..{n_frags - 1}")
-        found = _find_entry(r, keys.fragment(fragment), entry_id)
+        found = _find_entry(r, keys.fragment(fragment), entry_id, dead_letter)
     finally:
         r.close()
     if found is None:
@@ -449,6 +466,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fragment", type=int, metavar="P", help="only fragment P")
     p.add_argument("--entry", metavar="ID", help="show one entry's payload statistics "
                    "(needs --fragment; an id of the stream or of the dead-letter stream)")
+    p.add_argument("--dlq", action="store_true", help="with --entry: look the id up in the "
+                   "dead-letter stream only (ids are per stream and may repeat)")
     p.add_argument("--limit", type=int, default=100, metavar="N",
                    help="newest N entries per stream (0: all; default 100)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -463,7 +482,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         return fail("--entry needs --fragment P (the fragment whose stream holds the entry)")
     try:
         if args.entry is not None:
-            rep = entry_stats(args.redis_url, args.run, args.fragment, args.entry)
+            rep = entry_stats(args.redis_url, args.run, args.fragment, args.entry, args.dlq)
             text = render_entry(rep)
         else:
             rep = collect(args.redis_url, args.run, args.fragment, max(0, args.limit))

@@ -8,7 +8,8 @@ Written into RUN_DIR (or ``--out DIR``):
 * ``rounds.png`` — a rounds timeline: per round the learners it merged (by fragment), those it
   did not, contributions it dropped, and the quorum and grace waits before it closed;
 * ``bytes.png`` — bytes on the wire: per learner send and receive rates and cumulative totals,
-  from the heartbeat counters ``bytes_sent``/``bytes_received`` in the "progress" records.
+  from the heartbeat counters ``bytes_sent``/``bytes_received`` in the "progress" records
+  (with ``--redis-url``, plus each learner's final report at the end of the run).
 
 Round records come from "round" records in metrics.jsonl when present and, with ``--redis-url``
 (and ``--run``, default: RUN_DIR's name), from the fragments' ``:rounds`` streams; both have the
@@ -95,16 +96,18 @@ def normalize_round(fields: Mapping) -> dict[str, Any] | None:
             "grace_wait_s": max(0.0, num("grace_wait_s"))}
 
 
-def rounds_from_redis(redis_url: str, run: str) -> list[dict[str, Any]]:
-    """Every round record in the run's ``:rounds`` streams (read in pages).
+def read_redis(redis_url: str, run: str) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """Every round record in the run's ``:rounds`` streams (read in pages), and the learners'
+    final reports (``final:<learner>`` in ``:done``: cumulative bytes at exit).
 
     Raises:
         BrokerError: The run has no configuration in Redis.
     """
+    from broker import registry
     from ops.inspect_cmd import open_run
 
     r, keys, _, _, n_frags = open_run(redis_url, run)
-    out = []
+    rounds = []
     try:
         for p in range(n_frags):
             start = "-"
@@ -112,11 +115,13 @@ def rounds_from_redis(redis_url: str, run: str) -> list[dict[str, Any]]:
                 batch = r.xrange(keys.fragment(p).rounds, min=start, max="+", count=1000)
                 if not batch:
                     break
-                out += [rec for _, fields in batch if (rec := normalize_round(fields))]
+                rounds += [rec for _, fields in batch if (rec := normalize_round(fields))]
                 start = "(" + _text(batch[-1][0])
+        finals = {k[len("final:"):]: v for k, v in registry.done_reports(r, keys).items()
+                  if k.startswith("final:") and isinstance(v, dict)}
     finally:
         r.close()
-    return out
+    return rounds, finals
 
 
 def merge_rounds(*sources: Iterable[dict]) -> list[dict[str, Any]]:
@@ -131,8 +136,8 @@ def merge_rounds(*sources: Iterable[dict]) -> list[dict[str, Any]]:
 def byte_series(progress: Iterable[Mapping]) -> dict[str, dict[str, list[float]]]:
     """Per learner, from the heartbeat records in "progress" records: heartbeat times ``t``
     (unix s), cumulative ``sent``/``received`` bytes, and the rates ``sent_Bps`` /
-    ``received_Bps`` (bytes/s) between consecutive heartbeats at times ``rate_t``
-    (midpoints). A counter that goes down (a restarted learner) restarts from zero."""
+    ``received_Bps`` (bytes/s) over each interval between consecutive heartbeats (one fewer
+    than ``t``). A counter that goes down (a restarted learner) restarts from zero."""
     points: dict[str, dict[float, tuple[float, float]]] = {}
     for rec in progress:
         learners = rec.get("learners")
@@ -150,13 +155,10 @@ def byte_series(progress: Iterable[Mapping]) -> dict[str, dict[str, list[float]]
     for name, pts in sorted(points.items()):
         ts = sorted(pts)
         ser: dict[str, list[float]] = {"t": ts, "sent": [pts[t][0] for t in ts],
-                                       "received": [pts[t][1] for t in ts], "rate_t": [],
-                                       "sent_Bps": [], "received_Bps": []}
+                                       "received": [pts[t][1] for t in ts], "sent_Bps": [],
+                                       "received_Bps": []}
         for i in range(1, len(ts)):
-            dt = ts[i] - ts[i - 1]
-            if dt <= 0:
-                continue
-            ser["rate_t"].append((ts[i] + ts[i - 1]) / 2)
+            dt = ts[i] - ts[i - 1]  # > 0: times are distinct dict keys, sorted
             for key in ("sent", "received"):
                 d = ser[key][i] - ser[key][i - 1]
                 ser[key + "_Bps"].append((d if d >= 0 else ser[key][i]) / dt)
@@ -289,15 +291,16 @@ def plot_bytes(series: dict[str, dict[str, list[float]]], t0: float, path: Path,
     cdiv, cunit = _byte_unit(peak_total)
     for i, (name, s) in enumerate(series.items()):
         color = f"C{i % 10}"
-        rt = [t - t0 for t in s["rate_t"]]
-        ax.plot(rt, [v / rdiv for v in s["sent_Bps"]], color=color, label=f"{name} sent")
-        ax.plot(rt, [v / rdiv for v in s["received_Bps"]], color=color, ls="--",
-                label=f"{name} received")
         ct = [t - t0 for t in s["t"]]
-        axc.plot(ct, [v / cdiv for v in s["sent"]], color=color, label=f"{name} sent")
-        axc.plot(ct, [v / cdiv for v in s["received"]], color=color, ls="--",
+        if s["sent_Bps"]:  # a rate is constant over its interval: stairs
+            ax.stairs([v / rdiv for v in s["sent_Bps"]], ct, color=color, label=f"{name} sent")
+            ax.stairs([v / rdiv for v in s["received_Bps"]], ct, color=color, ls="--",
+                      label=f"{name} received")
+        axc.plot(ct, [v / cdiv for v in s["sent"]], color=color, marker=".", ms=3,
+                 label=f"{name} sent")
+        axc.plot(ct, [v / cdiv for v in s["received"]], color=color, ls="--", marker=".", ms=3,
                  label=f"{name} received")
-    ax.set_ylabel(f"rate ({runit}/s)")
+    ax.set_ylabel(f"rate between heartbeats ({runit}/s)")
     ax.set_title(title)
     axc.set_ylabel(f"cumulative ({cunit})")
     axc.set_xlabel("time since run start (s)")
@@ -340,7 +343,7 @@ def make_plots(run_dir: str | Path, out_dir: str | Path | None = None,
     if "initial_eval_loss" in summary:
         evals.insert(0, {"tokens": 0, "wall_s": 0.0, "eval_loss": summary["initial_eval_loss"]})
     from_metrics = [x for rec in recs.get("round", []) if (x := normalize_round(rec))]
-    from_redis = rounds_from_redis(redis_url, name) if redis_url else []
+    from_redis, finals = read_redis(redis_url, name) if redis_url else ([], {})
     rounds = merge_rounds(from_metrics, from_redis)
     starts = [float(r["t"]) for rs in recs.values() for r in rs
               if isinstance(r.get("t"), int | float)]
@@ -363,7 +366,12 @@ def make_plots(run_dir: str | Path, out_dir: str | Path | None = None,
         skipped["rounds"] = ("no round records: metrics.jsonl has none; pass --redis-url "
                              "(and --run) to read the :rounds streams" if not redis_url else
                              "no round records in metrics.jsonl or Redis")
-    series = byte_series(recs.get("progress", []))
+    progress = list(recs.get("progress", []))
+    if finals and isinstance(summary.get("wall_s"), int | float):
+        # the learners' final counters, at the moment the launcher saw every process exit
+        t_end = t0 + float(summary["wall_s"])
+        progress.append({"learners": {n: {**rep, "t": t_end} for n, rep in finals.items()}})
+    series = byte_series(progress)
     if any(s["t"] for s in series.values()):
         plots["bytes"] = plot_bytes(series, t0, out / "bytes.png",
                                     f"{what}: bytes on the wire per learner")

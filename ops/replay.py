@@ -338,7 +338,11 @@ class _Replay:
         if blob is None:
             return
         state = unpack_state(blob)
-        if int(state["version"]) != core.version:
+        stored = int(state["version"])
+        if stored > core.version and (self.until is None or self.until > core.version):
+            raise _Unusable(f"the committed state is at version {stored}, the rounds stream "
+                            f"ends at version {core.version}: round records are missing")
+        if stored != core.version:
             return
         mine = jax.tree_util.tree_leaves(core.opt_state)
         same = (set(state["theta"]) == set(core.theta)

@@ -126,11 +126,7 @@ class LearnerCore:
         f = self.inflight[p]
         if f is not None:
             return f.step + self.cfg.overlap_steps
-        if self.pending[p][0] - self.base_version[p] > self.cfg.max_staleness:
-            return 0  # too far behind: a push from this base would be dropped, rejoin now
-        # Nothing in flight: keep the local progress; the value is applied τ steps after the
-        # next push of this fragment (which the syncer anchors to the current version).
-        return None
+        return 0  # nothing in flight: rebase onto it at once (see `_apply`)
 
     def blocked(self, step: int) -> bool:
         """Strict/sync modes: must the learner wait for a merged value before `step + 1`?"""
@@ -155,6 +151,19 @@ class LearnerCore:
         f = self.inflight[p]
         a = self.cfg.mix_alpha
         params = dict(params)
+        if f is None:
+            # A round this learner had no part in: move onto the new global value but keep the
+            # local progress since the old base, θ ← θ + (Θ_new − base). δ = base − θ is
+            # unchanged and now anchored at the new version, so the next push is fresh (not
+            # stale) and no inner step is thrown away.
+            for n in self.fragments[p]:
+                params[n] = jnp.asarray(np.asarray(params[n]) + (value[n] - self.base[p][n]),
+                                        jnp.float32)
+            self.base[p] = value
+            self.base_version[p] = version
+            self.pending[p] = None
+            self.applied += 1
+            return params
         for n in self.fragments[p]:
             if self.cfg.apply == "rebase" and f is not None and f.theta_at_push is not None:
                 new = value[n] + (np.asarray(params[n]) - f.theta_at_push[n])

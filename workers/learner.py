@@ -200,7 +200,7 @@ class Learner:
                 self._checkpoint(opt_state, tokens)
             if cfg.fail_at_step and self.step == cfg.fail_at_step:
                 os._exit(19)  # fault injection: die abruptly mid-run
-            if self.net.stop_seen:
+            if self.net.stop_seen or self.net.finish_seen:
                 break
         self.tokens = tokens
         self.train_s = time.monotonic() - t_train
@@ -327,7 +327,8 @@ def main(cfg: LearnerConfig) -> int:
     learner = Learner(cfg, ctx, zctx)
     try:
         learner.train()
-        learner.finish()
+        if not learner.net.stop_seen:
+            learner.finish()
         return 0
     finally:
         learner.net.close()

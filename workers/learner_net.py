@@ -61,6 +61,7 @@ class LearnerNet(threading.Thread):
         self.stats = NetStats()
         self.stop_event = threading.Event()
         self.stop_seen = False
+        self.finish_seen = False
         self._unsent: list[tuple[int, dict]] = []
         self._last_version: dict[int, int] = {}
         self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
@@ -72,6 +73,11 @@ class LearnerNet(threading.Thread):
 
     def push(self, fragment: int, fields: dict) -> None:
         self.stats.pushes_attempted += 1
+        if self._acked_log is not None:
+            self._acked_log.write(json.dumps({
+                "attempt": True, "fragment": fragment, "learner": self.id,
+                "base_version": int(fields["base_version"]), "step": int(fields["step"]),
+                "t": time.time()}) + "\n")
         self.outbox.put((fragment, fields))
 
     def request_snapshot(self, fragment: int) -> None:
@@ -100,6 +106,7 @@ class LearnerNet(threading.Thread):
                     self.sub.connect(self._sub_endpoints
                                      or registry.endpoints(self.ctx.r, self.ctx.keys))
                     self.stop_seen = registry.stop_requested(self.ctx.r, self.ctx.keys)
+                    self.finish_seen = registry.finish_requested(self.ctx.r, self.ctx.keys)
                     next_ep = now + 1.0
                 if now >= next_hb:
                     registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, {

@@ -1,0 +1,401 @@
+"""`diloco chaos`: a full run under injected faults, a supervisor, and Jepsen-style accounting.
+
+The harness starts its own redis-server (AOF, appendfsync everysec, restartable on the same
+port), one syncer (and optionally a standby), and M learners. Each learner reaches Redis and the
+syncers' PUB sockets through its own TCP proxies, so one learner can be cut off the network.
+Faults come from a schedule — scripted (at t, do X to Y for D seconds) or random (Poisson per
+fault kind, seeded) — and every injected fault is written to the run's events stream. What the
+harness kills it restarts (learners with the same id and state folder, so they resume).
+At the end it stops the run (learners flush, syncers close final rounds) and prints the report
+of `ops.chaos_report.account`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from broker import registry
+from broker.connection import connect
+from broker.keys import RunKeys
+from ops import artifacts
+from ops.chaos_report import account
+from ops.common import add_config_args, config_from_args, fail, print_json
+from ops.netproxy import TcpProxy
+from ops.redis_server import RedisServer, free_port
+from pipeline import config as cfgmod
+from pipeline.config import RunConfig
+from pipeline.fragments import fragment_sizes, partition
+from pipeline.model import param_shapes
+
+KINDS = ("kill-learner", "pause-learner", "kill-syncer", "kill-syncer-after-commit",
+         "takeover", "kill-redis", "partition-learner", "cut-zmq-learner")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """At `at_s` after the start, do `kind` to `target` (a learner id, or "" for a random one)
+    for `down_s` seconds."""
+
+    at_s: float
+    kind: str
+    target: str = ""
+    down_s: float = 5.0
+
+
+def load_schedule(path: str | Path) -> list[Fault]:
+    """A TOML file of ``[[fault]]`` tables with at_s, kind, target, down_s."""
+    data = tomllib.loads(Path(path).read_text())
+    faults = []
+    for i, f in enumerate(data.get("fault", [])):
+        if f.get("kind") not in KINDS:
+            raise cfgmod.ConfigError(f"fault[{i}].kind: {f.get('kind')!r} is not one of "
+                                     f"{', '.join(KINDS)}")
+        faults.append(Fault(float(f["at_s"]), f["kind"], str(f.get("target", "")),
+                            float(f.get("down_s", 5.0))))
+    return sorted(faults, key=lambda f: f.at_s)
+
+
+def random_schedule(seed: int, duration_s: float, rates_s: dict[str, float], down_s: float,
+                    quiet_tail_s: float) -> list[Fault]:
+    """Poisson faults: kind k every `rates_s[k]` seconds on average, none in the quiet tail."""
+    rng = np.random.default_rng(seed)
+    faults = []
+    for kind, mean_s in sorted(rates_s.items()):
+        t = rng.exponential(mean_s)
+        while t < duration_s - quiet_tail_s - down_s:
+            faults.append(Fault(round(float(t), 3), kind, "", down_s))
+            t += rng.exponential(mean_s)
+    return sorted(faults, key=lambda f: f.at_s)
+
+
+class ChaosRun:
+    """One supervised run (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, run: str, *, seed: int = 0,
+                 pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
+                 standby: bool = False, eval_every_s: float = 0.0, quiet: bool = True):
+        self.cfg, self.run_dir, self.run = cfg, run_dir, run
+        self.rng = np.random.default_rng(seed)
+        self.pace_s = pace_s
+        self.delays_s = delays_s or {}
+        self.standby = standby
+        self.eval_every_s = eval_every_s
+        self.quiet = quiet
+        self.keys = RunKeys(run)
+        self.state_dir = run_dir / "state"
+        self.logs = run_dir / "logs"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cmds: dict[str, list[str]] = {}
+        self.down: dict[str, float] = {}          # name → when to bring it back
+        self.paused: dict[str, float] = {}
+        self.cut: dict[str, float] = {}
+        self.restarts: list[tuple[str, float]] = []
+        self.faults: list[dict] = []
+        self._pending_events: list[dict] = []
+        self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        self.history: list[dict] = []
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def _spawn(self, name: str) -> None:
+        out = open(self.logs / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out, stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        for d in (self.state_dir, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(workdir=self.run_dir / "redis").start()
+        self.r = connect(self.redis.url)
+        registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash())
+        self.sync_ports = {"syncer-0": free_port()}
+        if self.standby:
+            self.sync_ports["syncer-1"] = free_port()
+        for sid, port in self.sync_ports.items():
+            self.cmds[sid] = [sys.executable, "-m", "workers.syncer", "--redis-url",
+                              self.redis.url, "--run", self.run, "--id", sid, "--bind",
+                              f"tcp://127.0.0.1:{port}"]
+            self._spawn(sid)
+        self.proxies: dict[str, list[TcpProxy]] = {}
+        for m in range(self.cfg.learners):
+            name = f"L{m}"
+            rp = TcpProxy("127.0.0.1", self.redis.port)
+            zps = [TcpProxy("127.0.0.1", port) for port in self.sync_ports.values()]
+            self.proxies[name] = [rp, *zps]
+            cmd = [sys.executable, "-m", "workers.learner", "--redis-url",
+                   f"redis://{rp.address}/0", "--run", self.run, "--id", name,
+                   "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
+                   "--delay-s", str(self.delays_s.get(name, 0.0))]
+            for zp in zps:
+                cmd += ["--sub-endpoint", f"tcp://{zp.address}"]
+            self.cmds[name] = cmd
+            self._spawn(name)
+        self.t_start = time.time()
+        self.t0 = time.monotonic()
+
+    def _event(self, kind: str, **fields) -> None:
+        self._pending_events.append({"kind": kind, **fields})
+        try:
+            while self._pending_events:
+                ev = self._pending_events[0]
+                registry.event(self.r, self.keys, ev["kind"], **{k: v for k, v in ev.items()
+                                                                 if k != "kind"})
+                self._pending_events.pop(0)
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # Redis is down (a fault): written once it is back
+
+    def _learner(self, target: str) -> str:
+        if target:
+            return target
+        up = [f"L{m}" for m in range(self.cfg.learners)
+              if f"L{m}" not in self.down and f"L{m}" not in self.paused
+              and f"L{m}" not in self.cut]
+        return str(self.rng.choice(up)) if up else ""
+
+    def inject(self, f: Fault) -> None:
+        now = time.monotonic()
+        target = self._learner(f.target) if f.kind.endswith("learner") else (f.target or "")
+        if f.kind.endswith("learner") and not target:
+            return  # every learner is already down
+        rec = {**asdict(f), "target": target, "t": time.time(), "t_rel_s": now - self.t0}
+        self.faults.append(rec)
+        self._event("fault", fault=f.kind, target=target, down_s=f.down_s)
+        if f.kind == "kill-learner":
+            self.procs[target].kill()
+            self.down[target] = now + f.down_s
+        elif f.kind == "pause-learner":
+            os.kill(self.procs[target].pid, signal.SIGSTOP)
+            self.paused[target] = now + f.down_s
+        elif f.kind in ("partition-learner", "cut-zmq-learner"):
+            proxies = self.proxies[target] if f.kind == "partition-learner" else \
+                self.proxies[target][1:]
+            for px in proxies:
+                px.cut()
+            self.cut[target] = now + f.down_s
+            self._cut_kind = getattr(self, "_cut_kind", {})
+            self._cut_kind[target] = proxies
+        elif f.kind in ("kill-syncer", "kill-syncer-after-commit"):
+            sid = target or "syncer-0"
+            self.procs[sid].kill()
+            self.procs[sid].wait()
+            if f.kind == "kill-syncer-after-commit":  # the restart dies after its next commit
+                base = [a for a in self.cmds[sid] if not a.startswith("--fail")]
+                self.cmds[sid] = base + ["--fail-after-commit", "1"]
+                self._spawn(sid)
+                self._restore_cmd = (sid, base)
+            self.down[sid] = now + f.down_s
+        elif f.kind == "takeover":
+            self.procs["syncer-0"].kill()  # for good: the standby must take its fragments
+        elif f.kind == "kill-redis":
+            self.redis.kill()
+            self.down["redis"] = now + f.down_s
+
+    def _recover(self, now: float) -> None:
+        for name, t in list(self.down.items()):
+            if now < t:
+                continue
+            if name == "redis":
+                self.redis.start()
+                self.r = connect(self.redis.url)
+                self._event("recover", target="redis")
+            else:
+                if getattr(self, "_restore_cmd", (None,))[0] == name:
+                    self.cmds[name] = self._restore_cmd[1]
+                if self.procs[name].poll() is None:
+                    self.procs[name].kill()
+                    self.procs[name].wait()
+                self._spawn(name)
+                self.restarts.append((name, time.time()))
+                self._event("recover", target=name)
+            del self.down[name]
+        for name, t in list(self.paused.items()):
+            if now >= t:
+                os.kill(self.procs[name].pid, signal.SIGCONT)
+                self.restarts.append((name, time.time()))
+                self._event("recover", target=name)
+                del self.paused[name]
+        for name, t in list(self.cut.items()):
+            if now >= t:
+                for px in self._cut_kind[name]:
+                    px.heal()
+                self.restarts.append((name, time.time()))
+                self._event("recover", target=name)
+                del self.cut[name]
+
+    def _check_children(self) -> None:
+        """Restart anything that died without being killed by a fault (and say so)."""
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is None or code == 0 or name in self.down:
+                continue
+            if name == "syncer-0" and any(f["kind"] == "takeover" for f in self.faults):
+                continue
+            if code in (17, 18):  # a fault-injected syncer exit: bring it back
+                self._spawn(name)
+                self.restarts.append((name, time.time()))
+                continue
+            self._event("crash", target=name, code=code)
+            self._spawn(name)
+
+    def _evaluate(self, corpus) -> None:
+        from ops.launcher import global_params
+        from pipeline.train import evaluate
+
+        try:
+            params, versions = global_params(self.r, self.keys, len(self.frags))
+        except Exception:  # noqa: BLE001 - Redis may be down mid-fault; try again later
+            return
+        import jax.numpy as jnp
+
+        m = evaluate({k: jnp.asarray(v) for k, v in params.items()},
+                     corpus.eval_batches(self.cfg.data.eval_batches, self.cfg.inner.batch_size),
+                     self.cfg.model)
+        self.history.append({"wall_s": time.monotonic() - self.t0, "eval_loss": m["loss"],
+                             "eval_accuracy": m["accuracy"], "versions": versions})
+
+    def supervise(self, schedule: list[Fault], duration_s: float, corpus=None) -> None:
+        todo = list(schedule)
+        next_eval = self.t0
+        while True:
+            now = time.monotonic()
+            rel = now - self.t0
+            while todo and todo[0].at_s <= rel:
+                self.inject(todo.pop(0))
+            self._recover(now)
+            if "redis" not in self.down:
+                self._check_children()
+            if corpus is not None and self.eval_every_s and now >= next_eval and \
+                    "redis" not in self.down:
+                self._evaluate(corpus)
+                next_eval = now + self.eval_every_s
+            learners_done = all(self.procs[f"L{m}"].poll() == 0
+                                for m in range(self.cfg.learners))
+            if learners_done or (rel >= duration_s and not self.down and not self.paused
+                                 and not self.cut):
+                break
+            time.sleep(0.05)
+        self.t_stop = time.time()
+        registry.request_finish(self.r, self.keys)
+
+    def finish(self, timeout_s: float = 300.0, corpus=None) -> dict:
+        deadline = time.monotonic() + timeout_s
+        for name, p in self.procs.items():
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                self._event("timeout", target=name)
+        t_end = time.time()
+        if corpus is not None:
+            self._evaluate(corpus)
+        sizes = fragment_sizes(param_shapes(self.cfg.model), self.frags)
+        total = sum(sizes)
+        rep = account(self.r, self.run, len(self.frags), self.state_dir,
+                      learners=self.cfg.learners, frag_weights=[s / total for s in sizes],
+                      t_start=self.t_start, t_end=self.t_stop, restarts=self.restarts,
+                      window_s=max(5.0, 2 * self.cfg.effective_sync().sync_every *
+                                   max(self.pace_s, 0.02) / len(self.frags)))
+        done = registry.done_reports(self.r, self.keys)
+        finals = {k[len("final:"):]: v for k, v in done.items() if k.startswith("final:")}
+        hashes = {k: v.get("hashes") for k, v in finals.items()}
+        versions_ok = True
+        for p in range(len(self.frags)):
+            vs = [int(f[b"version"]) for _, f in self.r.xrange(self.keys.fragment(p).rounds)]
+            versions_ok &= all(b > a for a, b in zip(vs, vs[1:], strict=False))
+        rep.update({
+            "mode": self.cfg.mode, "learners": self.cfg.learners,
+            "faults": self.faults, "exit_codes": {n: p.returncode for n, p in self.procs.items()},
+            "learners_finished": sorted(finals), "learner_hashes": hashes,
+            "identical_final_values": len({json.dumps(h, sort_keys=True)
+                                           for h in hashes.values()}) == 1 and bool(hashes),
+            "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
+            "history": self.history,
+        })
+        return rep
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+                p.wait()
+        for proxies in getattr(self, "proxies", {}).values():
+            for px in proxies:
+                px.close()
+        if getattr(self, "redis", None) is not None:
+            self.redis.stop()
+
+
+def run_chaos(cfg: RunConfig, run_dir: Path, run: str, schedule: list[Fault], duration_s: float,
+              **kwargs) -> dict:
+    """Start, supervise for `duration_s` (then stop and flush), account; always clean up."""
+    corpus = kwargs.pop("corpus", None)
+    chaos = ChaosRun(cfg, run_dir, run, **kwargs)
+    try:
+        chaos.start()
+        chaos.supervise(schedule, duration_s, corpus)
+        return chaos.finish(corpus=corpus)
+    finally:
+        chaos.close()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chaos", help="a full run under injected faults, with accounting")
+    add_config_args(p)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
+    p.add_argument("--schedule", help="TOML file of [[fault]] at_s/kind/target/down_s")
+    p.add_argument("--kill-every-s", type=float, default=30.0,
+                   help="random schedule: mean seconds between learner kills (0: none)")
+    p.add_argument("--pause-every-s", type=float, default=0.0)
+    p.add_argument("--down-s", type=float, default=5.0, help="random schedule: downtime")
+    p.add_argument("--pace-s", type=float, default=0.1, help="inner step wall time per learner")
+    p.add_argument("--standby", action="store_true", help="start a standby syncer")
+    p.add_argument("--out", default="runs")
+    p.add_argument("--run", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from ops.run_cmd import default_demo_config
+
+    try:
+        cfg = config_from_args(args, base=replace(default_demo_config(), steps=10**6))
+        if args.schedule:
+            schedule = load_schedule(args.schedule)
+        else:
+            rates = {k: v for k, v in (("kill-learner", args.kill_every_s),
+                                       ("pause-learner", args.pause_every_s)) if v > 0}
+            schedule = random_schedule(cfg.seed, args.duration, rates, args.down_s,
+                                       quiet_tail_s=min(20.0, args.duration / 5))
+    except (cfgmod.ConfigError, OSError) as e:
+        return fail(str(e))
+    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
+    run_dir = artifacts.new_run_dir(args.out, run)
+    rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
+                    pace_s=args.pace_s, standby=args.standby)
+    (run_dir / "chaos.json").write_text(json.dumps(rep, indent=1))
+    if args.json:
+        print_json({k: v for k, v in rep.items() if k != "history"})
+    else:
+        for k in ("pushes_attempted", "pushes_acked", "merged", "dropped_stale",
+                  "dead_lettered", "duplicated", "lost", "rounds", "availability", "goodput",
+                  "rejoin_s_p50", "rejoin_s_max"):
+            print(f"{k:18s} {rep[k]}")
+        print(f"faults injected: {len(rep['faults'])}; report in {run_dir / 'chaos.json'}")
+    return 0 if rep["lost"] == 0 else 1

@@ -110,8 +110,9 @@ class ChaosRun:
     # -- processes ------------------------------------------------------------------------------
 
     def _spawn(self, name: str) -> None:
-        out = open(self.logs / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out, stderr=subprocess.STDOUT)
+        with open(self.logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out,
+                                                stderr=subprocess.STDOUT)
 
     def start(self) -> None:
         for d in (self.state_dir, self.logs):

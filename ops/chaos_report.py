@@ -26,9 +26,12 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def read_acked(state_dir: Path) -> tuple[dict[str, Key], set[Key], int, set[Key]]:
+IdMap = dict[tuple[int, str], Key]  # (fragment, entry id) → key: ids are unique per stream only
+
+
+def read_acked(state_dir: Path) -> tuple[IdMap, set[Key], int, set[Key]]:
     """(entry id → key, acknowledged keys, re-pushes, attempted keys) from the learners' logs."""
-    id_key: dict[str, Key] = {}
+    id_key: IdMap = {}
     keys: set[Key] = set()
     attempted: set[Key] = set()
     repushes = 0
@@ -42,16 +45,16 @@ def read_acked(state_dir: Path) -> tuple[dict[str, Key], set[Key], int, set[Key]
             if rec.get("attempt"):
                 attempted.add(k)
                 continue
-            id_key[rec["id"]] = k
+            id_key[(int(rec["fragment"]), rec["id"])] = k
             keys.add(k)
             repushes += bool(rec.get("repush"))
     return id_key, keys, repushes, attempted
 
 
-def _key_of(r: redis.Redis, stream: str, entry_id: str, id_key: dict[str, Key]) -> Key | None:
-    if entry_id in id_key:
-        return id_key[entry_id]
-    got = r.xrange(stream, entry_id, entry_id)
+def _key_of(r: redis.Redis, keys: RunKeys, p: int, entry_id: str, id_key: IdMap) -> Key | None:
+    if (p, entry_id) in id_key:
+        return id_key[(p, entry_id)]
+    got = r.xrange(keys.fragment(p).frags, entry_id, entry_id)
     if not got:
         return None
     f = got[0][1]
@@ -79,7 +82,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
             round_times.append(t)
             seconds = json.loads(f.get(b"seconds", b"[]"))
             for i, (entry_id, learner, *_rest) in enumerate(json.loads(f[b"included"])):
-                k = _key_of(r, fk.frags, entry_id, id_key) or (learner, p, -1, -1)
+                k = _key_of(r, keys, p, entry_id, id_key) or (learner, p, -1, -1)
                 merged.add(k)
                 contributed[learner].append(t)
                 if i < len(seconds):
@@ -88,11 +91,11 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 if reason == "duplicate":
                     duplicated += 1
                     continue
-                k = _key_of(r, fk.frags, entry_id, id_key)
+                k = _key_of(r, keys, p, entry_id, id_key)
                 if k is not None:
                     (dropped_stale if reason.startswith("stale") else dropped_other).add(k)
         for _, f in r.xrange(fk.dlq):
-            k = _key_of(r, fk.frags, _s(f.get(b"dlq_source_id", b"")), id_key)
+            k = _key_of(r, keys, p, _s(f.get(b"dlq_source_id", b"")), id_key)
             if k is None and b"learner" in f:
                 try:
                     k = (_s(f[b"learner"]), int(f[b"fragment"]), int(f[b"base_version"]),
@@ -101,16 +104,21 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                     k = None
             if k is not None:
                 dead.add(k)
+    joins: dict[str, float] = {}
     for _, f in r.xrange(keys.events):
+        if _s(f.get(b"kind", b"")) == "join":
+            joins.setdefault(_s(f[b"learner"]), float(f[b"t"]))
         if _s(f.get(b"kind", b"")) == "dropped":
             fr = int(f[b"fragment"])
-            k = _key_of(r, keys.fragment(fr).frags, _s(f[b"entry"]), id_key)
+            k = _key_of(r, keys, fr, _s(f[b"entry"]), id_key)
             if k is not None:
                 if _s(f[b"reason"]) == "duplicate":
                     duplicated += 1
                 else:
                     dropped_stale.add(k) if _s(f[b"reason"]).startswith("stale") else \
                         dropped_other.add(k)
+    if len(joins) >= learners:  # allocation starts once every learner has joined (past startup)
+        t_start = max(t_start, max(joins.values()))
     accounted = merged | dropped_stale | dropped_other | dead
     lost = sorted(acked - accounted)
     wall = max(t_end - t_start, 1e-9)
@@ -118,6 +126,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     busy = {int((t - t_start) // window_s) for t in round_times if t_start <= t <= t_end}
     rejoin = []
     for learner, t_r in restarts:
+        if not learner.startswith("L"):
+            continue  # syncers and Redis come back too, but "contributing" is a learner's act
         later = [t for t in contributed.get(learner, []) if t >= t_r]
         rejoin.append(min(later) - t_r if later else float("inf"))
     finite = [x for x in rejoin if np.isfinite(x)]

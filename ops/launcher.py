@@ -78,8 +78,8 @@ class Launcher:
     def spawn(self, name: str, cmd: list[str]) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        out = open(logs / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with open(logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
     def start(self) -> None:
         base = ["--redis-url", self.url, "--run", self.run]
@@ -200,6 +200,25 @@ class Launcher:
             "history": self.history, "first_eval_tokens": first["tokens"],
         }
 
+    def log_rounds_and_reports(self, log: artifacts.MetricsLog) -> None:
+        """Copy every round record and each learner's final report into metrics.jsonl."""
+        for p in range(len(self.frags)):
+            for _, f in self.r.xrange(self.keys.fragment(p).rounds):
+                rec = {k.decode(): v.decode() for k, v in f.items()}
+                for k in ("included", "dropped", "seconds"):
+                    if k in rec:
+                        rec[k] = json.loads(rec[k])
+                for k in ("version", "fragment", "tokens", "steps"):
+                    if k in rec:
+                        rec[k] = int(rec[k])
+                for k in ("quorum_wait_s", "grace_wait_s", "merge_s", "t"):
+                    if k in rec:
+                        rec[k] = float(rec[k])
+                log.write("round", rec)
+        for name, rep in registry.done_reports(self.r, self.keys).items():
+            if name.startswith("final:"):
+                log.write("learner_final", {"learner": name[len("final:"):], **rep})
+
 
 def run_distributed(cfg: RunConfig, run_name: str, args: argparse.Namespace) -> int:
     if cfg.mode == "ddp":
@@ -246,6 +265,7 @@ def run_distributed(cfg: RunConfig, run_name: str, args: argparse.Namespace) -> 
             la.stop_children()
             return fail(str(e), 1)
         summary = la.summary(wall_s, corpus, log)
+        la.log_rounds_and_reports(log)
         params, versions = global_params(la.r, la.keys, len(la.frags))
         artifacts.save_checkpoint(run_dir / "checkpoint.npz", params, cfg, versions)
         artifacts.plot_loss(run_dir / "loss.png", {cfg.mode: summary["history"]}, x="wall_s",

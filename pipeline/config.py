@@ -116,6 +116,7 @@ class BrokerConfig:
     claim_idle_ms: int = field(default=60_000, metadata=_rng(100, 86_400_000))
     max_deliveries: int = field(default=10, metadata=_rng(1, 1_000_000))
     keep_rounds: int = field(default=50, metadata=_rng(0, 10**9))
+    archive_dir: str = ""  # archive fragment entries here (msgpack files) before trimming
     stream_max_entries: int = field(default=100_000, metadata=_rng(10, 10**9))
     snapshot_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 86_400.0))
     max_payload_bytes: int = field(default=256 * 2**20, metadata=_rng(1024, 2**34))

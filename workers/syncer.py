@@ -22,7 +22,7 @@ import numpy as np
 import redis
 import zmq
 
-from broker import codec, registry
+from broker import archive, codec, registry
 from broker.errors import DecodeError
 from broker.pubsub import Publisher
 from broker.state import pack_state, unpack_state
@@ -342,6 +342,14 @@ class Syncer:
             cut = f.recent_min_ids.pop(0)
             pending = [e.entry_id for e in f.deferred]
             floor = min([cut] + pending, key=id_key)
+            if self.bcfg.archive_dir:
+                try:
+                    archive.archive_below(self.ctx.r, self.ctx.keys, p, floor,
+                                          self.bcfg.archive_dir)
+                except (OSError, ValueError) as e:
+                    log.error("fragment %d: archiving before the trim failed (%s); entries kept",
+                              p, e)
+                    return
             self.streams.trim(p, floor)
 
     def _publish(self, p: int, version: int, sent: dict[str, quant.QTensor]) -> None:

@@ -51,6 +51,7 @@ class LearnerConfig:
     state_dir: str | None = None   # inner-optimiser checkpoint and acknowledged-push log
     checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
     sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
+    metrics_port: int = 0          # Prometheus text endpoint (0: off)
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
 
 
@@ -86,6 +87,8 @@ class Learner:
         self.tokens_per_step = ctx.cfg.inner.batch_size * ctx.cfg.model.seq_len
         self.secs = [0.0] * len(ctx.fragments)
         self.step_s = 0.0
+        self.step = 0
+        self.tokens_done = 0
 
     def _join(self) -> None:
         """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
@@ -174,6 +177,7 @@ class Learner:
             if self.step == 1:
                 t_first = time.monotonic()  # the first step includes compilation
             tokens += self.tokens_per_step
+            self.tokens_done = tokens
             self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
             for p in range(len(self.secs)):
                 self.secs[p] += dt
@@ -325,6 +329,10 @@ def main(cfg: LearnerConfig) -> int:
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)
+    if cfg.metrics_port:
+        from workers.metrics import learner_spec, serve
+
+        serve(cfg.metrics_port, "diloco_learner", learner_spec(learner))
     try:
         learner.train()
         if not learner.net.stop_seen:
@@ -350,6 +358,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "restart) and its log of acknowledged pushes")
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="inner steps between checkpoints (default: every Δh steps)")
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus metrics on this port (default: off)")
     ap.add_argument("--sub-endpoint", action="append", default=[],
                     help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
@@ -359,7 +369,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
                          not a.no_sync, state_dir=a.state_dir,
                          checkpoint_every=a.checkpoint_every,
-                         sub_endpoints=tuple(a.sub_endpoint), fail_at_step=a.fail_at_step)
+                         sub_endpoints=tuple(a.sub_endpoint), metrics_port=a.metrics_port,
+                         fail_at_step=a.fail_at_step)
 
 
 if __name__ == "__main__":

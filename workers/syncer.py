@@ -51,6 +51,7 @@ class SyncerConfig:
     # commit or after it (before publishing). 0: never.
     fail_before_commit: int = 0
     fail_after_commit: int = 0
+    metrics_port: int = 0                    # Prometheus text endpoint (0: off)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Syncer:
         self.merged = 0
         self.dropped = 0
         self.dead_lettered = 0
+        self.duplicated = 0
         self.lost = 0
         self.quorum_wait_s = 0.0
         self.grace_wait_s = 0.0
@@ -213,6 +215,7 @@ class Syncer:
             # duplicates and drops are acknowledged in the next commit; drops are recorded
             if reason == "duplicate":
                 f.core.pending_drops.append((e.entry_id, "duplicate"))
+                self.duplicated += 1
             f.ack_extra.append(e.entry_id)
             self.dropped += 1
 
@@ -450,6 +453,10 @@ def main(cfg: SyncerConfig) -> int:
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
     zctx = zmq.Context()
     s = Syncer(cfg, ctx, zctx)
+    if cfg.metrics_port:
+        from workers.metrics import serve, syncer_spec
+
+        serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s))
     try:
         s.start()
         return s.run_forever()
@@ -476,6 +483,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--advertise-host", default=None,
                     help="host name learners use to reach this syncer (default: bind host)")
     ap.add_argument("--max-rounds", type=int, default=0)
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus metrics on this port (default: off)")
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -484,7 +493,7 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         fail_before_commit=a.fail_before_commit,
-                        fail_after_commit=a.fail_after_commit)
+                        fail_after_commit=a.fail_after_commit, metrics_port=a.metrics_port)
 
 
 if __name__ == "__main__":

@@ -96,12 +96,23 @@ def _store(url: str, run: str, cfg: RunConfig) -> None:
 # -- pipeline efficiency -----------------------------------------------------------------------
 
 def bench_pipeline(quick: bool = False) -> dict:
+    """Two shapes of the same measurement: 64 learners pushing once each into one round
+    (decode + merge dominate; one commit per 64 entries), and 4 learners with a round (merge,
+    outer step, atomic commit, publish) every 4 entries."""
+    shapes = {"decode_merge": (64, 1), "with_commits": (4, 4 if quick else 16)}
+    out: dict = {"bench": "pipeline"}
+    for name, (M, n_rounds) in shapes.items():
+        out[name] = _pipeline_pass(M, n_rounds, reps=2 if quick else 3)
+    out["ratio"] = out["decode_merge"]["ratio"]
+    out["ratio_with_commits"] = out["with_commits"]["ratio"]
+    return out
+
+
+def _pipeline_pass(M: int, n_rounds: int, reps: int) -> dict:
     from workers.common import open_run
     from workers.syncer import Syncer, SyncerConfig
 
-    M = 4
     cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
-    n_rounds = 5 if quick else 25
     p = 1
     with RedisServer(appendonly=False) as srv:
         _store(srv.url, "bench", cfg)
@@ -109,19 +120,19 @@ def bench_pipeline(quick: bool = False) -> dict:
         zctx = zmq.Context()
         syncer = Syncer(SyncerConfig(srv.url, "bench", fragments=(p,)), ctx, zctx)
         syncer.start()
-        for m in range(M):  # live learners: rounds close as soon as all four contributed
+        for m in range(M):  # live learners: rounds close as soon as all of them contributed
             registry.heartbeat(ctx.r, ctx.keys, f"L{m}", {"step_s": 1.0}, ttl_s=3600)
         streams = FragmentStreams(ctx.r, ctx.keys)
-        payloads = [_fragment_delta(cfg, p, seed) for seed in range(M)]
-        wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / M / 1e6
+        payloads = [_fragment_delta(cfg, p, seed) for seed in range(4)]
+        wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / len(payloads) / 1e6
         raw_rates, syncer_rates = [], []
-        for rep in range(3):
+        for rep in range(reps):
             version = syncer.frags[p].core.version
             ids = []
             for rnd in range(n_rounds):
                 for m in range(M):
                     ids.append(streams.push(p, entry(cfg, f"L{m}", p, version + rnd,
-                                                     1000 * rep + rnd + 1, payloads[m])))
+                                                     1000 * rep + rnd + 1, payloads[m % 4])))
             group = f"raw{rep}"
             ctx.r.xgroup_create(ctx.keys.fragment(p).frags, group, id=_before(ids[0]))
             t0 = time.perf_counter()
@@ -138,11 +149,11 @@ def bench_pipeline(quick: bool = False) -> dict:
         syncer.pub.close()
         zctx.term()
     raw, merged = statistics.median(raw_rates), statistics.median(syncer_rates)
-    return {"bench": "pipeline", "fragment_params": _frag_params(cfg, p),
-            "codec_up": cfg.sync.codec_up, "entry_wire_mb": round(wire_mb, 3),
-            "entries_per_pass": n_rounds * M, "raw_xreadgroup_mb_s": raw,
-            "syncer_decode_merge_mb_s": merged, "ratio": merged / raw,
-            "raw_passes": raw_rates, "syncer_passes": syncer_rates}
+    return {"learners": M, "rounds_per_pass": n_rounds, "entries_per_pass": M * n_rounds,
+            "fragment_params": _frag_params(cfg, p), "codec_up": cfg.sync.codec_up,
+            "entry_wire_mb": round(wire_mb, 3), "raw_xreadgroup_mb_s": raw,
+            "syncer_mb_s": merged, "ratio": merged / raw, "raw_passes": raw_rates,
+            "syncer_passes": syncer_rates}
 
 
 def _before(entry_id: str) -> str:

@@ -239,7 +239,7 @@ class Engine:
         delta = {k: quant.dequantize(q) for k, q in push.payload.items()}
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
                          push.tokens, delta, entry_id=f"{lr.name}:{push.fragment}:{push.step}",
-                         nbytes=nbytes)
+                         nbytes=nbytes, owned=True)
         self._work_s[c.entry_id] = push.steps * eng.step_s / lr.speed
         self._push_event(arrive, "arrive", c)
 

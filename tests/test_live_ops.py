@@ -9,12 +9,13 @@ import sys
 import time
 import urllib.request
 
+from test_e2e import TINY
+
 from broker import registry
 from broker.connection import connect
 from broker.keys import RunKeys
 from ops.redis_server import free_port
 from pipeline import config as cfgmod
-from test_e2e import TINY
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

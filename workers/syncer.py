@@ -67,6 +67,7 @@ class _Frag:
     # re-commit what Redis lost if it restarts from an AOF missing its last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
     snapshots: dict[int, bytes] = field(default_factory=dict)
+    workspaces: dict[str, np.ndarray] = field(default_factory=dict)  # reused decode buffers
 
 
 class Syncer:
@@ -195,13 +196,13 @@ class Syncer:
             meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes)
             if meta.fragment != e.fragment:
                 raise DecodeError(f"entry says fragment {meta.fragment}, stream is {e.fragment}")
-            delta = decode_values(tensors)
+            delta = decode_values(tensors, f.workspaces)
         except (DecodeError, ValueError) as err:
             self._dead_letter(e, f"malformed entry: {err}")
             return
         c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step, meta.steps,
                          meta.tokens, delta, entry_id=e.entry_id, nbytes=int(len(
-                             e.fields.get(b"payload", b""))))
+                             e.fields.get(b"payload", b""))), owned=True)
         ok, reason = f.core.offer(c, time.monotonic())
         if reason.startswith("defer"):
             f.deferred.append(e)

@@ -33,13 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run decoupled at these sync intervals H with both codec pairs")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_quality)
-    try:
-        bench_pipeline = importlib.import_module("ops.bench_pipeline")
-    except ModuleNotFoundError as e:
-        if e.name != "ops.bench_pipeline":
-            raise
-    else:
-        bench_pipeline.register(bsub)
+    for name in ("ops.bench_pipeline", "ops.bench_resilience"):
+        importlib.import_module(name).register(bsub)
 
 
 def bench_model_config() -> RunConfig:

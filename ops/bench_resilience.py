@@ -1,0 +1,138 @@
+"""`diloco bench s1|s2`: goodput under failures and stragglers, side by side in one run each.
+
+* s1 — failures: M=4, a random learner killed every `--kill-every-s` seconds on average
+  (Poisson, seeded), back after 5 s; `decoupled` vs `sync-diloco`; goodput, loss at equal wall
+  time, the chaos accounting.
+* s2 — heterogeneous hardware: learner speeds 1, 1, 1, 1/3 (the slow one made slow by an
+  injected per-step delay); `decoupled` (K=1 + grace) vs K=1 without grace vs `sync-diloco`;
+  the wall time at which each reaches sync-diloco's final loss.
+
+Learners share 2 cores here, so each inner step is paced to a fixed wall time (`--pace-s`):
+a dead or blocked learner would otherwise hand its CPU to the others and flatter every ratio.
+The pacing counts as compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from ops.chaos import Fault, random_schedule, run_chaos
+from ops.common import make_corpus
+from pipeline import config as cfgmod
+from pipeline.config import RunConfig
+
+
+def base_config() -> RunConfig:
+    return cfgmod.from_dict({
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
+        "data": {"max_bytes": 4_000_000, "eval_batches": 8},
+        "inner": {"lr": 1e-3, "warmup_steps": 50, "batch_size": 16},
+        "sync": {"fragments": 4, "sync_every": 100},
+        "broker": {"heartbeat_s": 0.5, "heartbeat_ttl_s": 2.0},
+        "learners": 4, "steps": 10**6,
+    })
+
+
+def register(bsub: argparse._SubParsersAction) -> None:
+    for name, fn, help_ in (("s1", run_s1, "goodput under learner failures"),
+                            ("s2", run_s2, "stragglers: speeds 1, 1, 1, 1/3")):
+        p = bsub.add_parser(name, help=help_)
+        p.add_argument("--duration", type=float, default=300.0 if name == "s1" else 180.0)
+        p.add_argument("--pace-s", type=float, default=0.2)
+        p.add_argument("--kill-every-s", type=float, default=30.0)
+        p.add_argument("--down-s", type=float, default=5.0)
+        p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--out", default=f"runs/bench-{name}")
+        p.set_defaults(func=fn)
+
+
+def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
+             corpus, delays=None) -> dict:
+    run = name.replace(" ", "-").replace("/", "-").replace("+", "p")
+    t0 = time.monotonic()
+    rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
+                    delays_s=delays or {}, eval_every_s=10.0, corpus=corpus)
+    rep["bench_wall_s"] = time.monotonic() - t0
+    rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
+    print(f"{name:24s} goodput {rep['goodput']:.3f} availability {rep['availability']:.3f} "
+          f"loss {rep['final_eval_loss']} rounds {rep['rounds']} lost {rep['lost']}", flush=True)
+    return rep
+
+
+def run_s1(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = base_config()
+    corpus = make_corpus(base)
+    schedule = random_schedule(args.seed, args.duration, {"kill-learner": args.kill_every_s},
+                               args.down_s, quiet_tail_s=15.0)
+    results = {}
+    for mode in ("decoupled", "sync-diloco"):
+        cfg = cfgmod.override(base, mode=mode)
+        results[mode] = _variant(cfg, out, mode, schedule, args.duration, args.pace_s, corpus)
+    _save(out, "s1", results, args, base)
+    _plot(out / "s1.png", results, "S1: learner failures (shaded), M=4")
+    return 0
+
+
+def run_s2(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = base_config()
+    corpus = make_corpus(base)
+    slow = {"L3": 2 * args.pace_s}  # 3× the paced step time: speed 1/3
+    variants = {
+        "decoupled K=1 + grace": cfgmod.override(base, mode="decoupled"),
+        "K=1 no grace": cfgmod.override(base, mode="decoupled", **{"sync.grace_max_s": 0.0}),
+        "sync-diloco": cfgmod.override(base, mode="sync-diloco"),
+    }
+    results = {name: _variant(cfg, out, name, [], args.duration, args.pace_s, corpus, slow)
+               for name, cfg in variants.items()}
+    target = results["sync-diloco"]["final_eval_loss"]
+    for rep in results.values():
+        hit = [h["wall_s"] for h in rep["history"] if h["eval_loss"] <= target]
+        rep["time_to_sync_final_loss_s"] = hit[0] if hit else None
+    _save(out, "s2", results, args, base)
+    _plot(out / "s2.png", results, "S2: speeds 1, 1, 1, 1/3, M=4")
+    return 0
+
+
+def _save(out: Path, name: str, results: dict, args: argparse.Namespace, base: RunConfig):
+    import os
+
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                       f"{platform.python_version()}", "duration_s": args.duration,
+            "pace_s": args.pace_s, "config": cfgmod.to_dict(base)}
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    keys = ("goodput", "availability", "final_eval_loss", "rounds", "pushes_acked", "merged",
+            "dropped_stale", "dead_lettered", "duplicated", "lost", "rejoin_s_p50",
+            "rejoin_s_max", "time_to_sync_final_loss_s")
+    print(json.dumps({k: {kk: v.get(kk) for kk in keys} for k, v in results.items()}, indent=1))
+
+
+def _plot(path: Path, results: dict, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    first = next(iter(results.values()))
+    t_join = first.get("t_join_rel_s", 0.0)
+    for f in first.get("faults", []):
+        ax.axvspan(f["t_rel_s"], f["t_rel_s"] + f["down_s"], color="red", alpha=0.12, lw=0)
+    for name, rep in results.items():
+        xs = [h["wall_s"] - t_join for h in rep["history"]]
+        ax.plot(xs, [h["eval_loss"] for h in rep["history"]], marker="o", ms=3, label=name)
+    ax.set_xlabel("wall time since start (s); red: a learner down")
+    ax.set_ylabel("evaluation loss of the global model (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -37,7 +37,7 @@ class RedisServer:
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
         self._tmp = None if workdir else tempfile.mkdtemp(prefix="diloco-redis-")
-        self.workdir = Path(workdir or self._tmp)
+        self.workdir = Path(workdir or self._tmp).resolve()  # redis-server chdirs into it
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
         self.port = port or free_port()

@@ -13,6 +13,7 @@ Each one measures its ratio side by side in one run on this machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -251,31 +252,54 @@ def bench_latency(quick: bool = False) -> dict:
 # -- overlap efficiency (real learner processes) ----------------------------------------------
 
 def bench_overlap(quick: bool = False) -> dict:
-    from ops.launcher import Launcher, store_run_config
+    """One learner pinned to CPU 0, the syncer and redis-server pinned to CPU 1 (a learner
+    with its own core, as on separate hosts), run twice: syncing on, then off (`--no-sync`,
+    same process otherwise). The steady inner-step rate of the two is compared."""
+    import os
+    import shutil
+    import tempfile
+
+    from ops.launcher import store_run_config
     from ops.run_cmd import default_demo_config
 
-    steps = 120 if quick else 400
-    base = cfgmod.override(default_demo_config(), learners=2, steps=steps)
+    pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    steps = 300 if quick else 1500
+    base = cfgmod.override(default_demo_config(), learners=1, steps=steps,
+                           **{"sync.quorum": 1})
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(1 if quick else 2):
         for mode in ("on", "off"):
-            with RedisServer(appendonly=False) as srv:
-                run = f"overlap-{mode}-{rep}"
-                store_run_config(srv.url, run, base)
-                import tempfile
-
-                with tempfile.TemporaryDirectory() as d:
-                    la = Launcher(base, run, srv.url, Path(d), quiet=True,
-                                  learner_args=[] if mode == "on" else ["--no-sync"])
-                    la.start()
-                    for proc in la.procs.values():
-                        proc.wait(1800)
-                    reports = registry.done_reports(la.r, la.keys)
-                rates[mode] += [v["steps_per_s"] for k, v in reports.items()
-                                if k.startswith("final:")]
+            with tempfile.TemporaryDirectory() as d:
+                srv = RedisServer(workdir=d, appendonly=True)
+                srv.start()
+                try:
+                    if pin:
+                        subprocess.run(["taskset", "-pc", "1", str(srv.proc.pid)],
+                                       capture_output=True, check=False)
+                    run = f"overlap-{mode}-{rep}"
+                    store_run_config(srv.url, run, base)
+                    args = ["--redis-url", srv.url, "--run", run]
+                    cpu1 = ["taskset", "-c", "1"] if pin else []
+                    cpu0 = ["taskset", "-c", "0"] if pin else []
+                    syncer = subprocess.Popen([*cpu1, sys.executable, "-m", "workers.syncer",
+                                               *args], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)
+                    learner = subprocess.Popen(
+                        [*cpu0, sys.executable, "-m", "workers.learner", *args, "--id", "L0",
+                         *([] if mode == "on" else ["--no-sync"])],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    learner.wait(1800)
+                    syncer.wait(120)
+                    r = connect(srv.url)
+                    reports = registry.done_reports(r, RunKeys(run))
+                    rates[mode].append(reports["final:L0"]["steps_per_s"])
+                finally:
+                    srv.stop()
     on, off = statistics.mean(rates["on"]), statistics.mean(rates["off"])
-    return {"bench": "overlap", "learners": 2, "steps": steps, "model": base.model.__dict__,
+    return {"bench": "overlap", "learners": 1, "steps": steps, "pinned": pin,
+            "model": dataclasses.asdict(base.model), "sync": dataclasses.asdict(
+                base.effective_sync()),
             "steps_per_s_sync_on": on, "steps_per_s_sync_off": off, "ratio": on / off,
-            "per_learner_on": rates["on"], "per_learner_off": rates["off"],
-            "note": "two learners, the syncer and redis-server share 2 cores; steady-state "
-                    "rate (first, compiling step excluded)"}
+            "runs_on": rates["on"], "runs_off": rates["off"],
+            "note": "learner on CPU 0, syncer + redis-server on CPU 1; steady-state rate "
+                    "(the first, compiling step excluded)"}

@@ -59,7 +59,7 @@ def default_demo_config() -> RunConfig:
         "data": {"max_bytes": 4_000_000},
         "inner": {"lr": 1e-3, "warmup_steps": 30, "batch_size": 16},
         "sync": {"fragments": 2, "sync_every": 40},
-        "learners": 3, "steps": 600,
+        "learners": 3, "steps": 1500,
     })
 
 

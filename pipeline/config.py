@@ -97,6 +97,9 @@ class SyncConfig:
     # Block at push + tau until the merged value arrives (sync-diloco always blocks; this flag
     # makes decoupled runs deterministic for tests and equivalence checks).
     strict: bool = False
+    # A dead learner leaves the quorum arithmetic (K is capped by the live learners). The
+    # synchronous baseline turns this off: every round waits for all K, dead or not.
+    elastic_quorum: bool = True
 
     @property
     def delta_h(self) -> int:
@@ -158,7 +161,7 @@ class RunConfig:
         """The sync policy the mode implies: sync-diloco is P=1, K=M, no grace, blocking."""
         if self.mode == "sync-diloco":
             return replace(self.sync, fragments=1, quorum=self.learners, grace_max_s=0.0,
-                           overlap_steps=0, strict=True)
+                           overlap_steps=0, strict=True, elastic_quorum=False)
         return self.sync
 
     def run_hash(self) -> str:

@@ -24,6 +24,7 @@ class RoundPolicy:
     grace_gamma: float = 0.5
     grace_max_s: float = 30.0
     overlap_steps: int = 2
+    elastic: bool = True  # K capped by the live learners (False: synchronous, wait for all K)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def grace_window_s(policy: RoundPolicy, step_time_s: float, quorum_time_s: float
 
 
 def effective_quorum(policy: RoundPolicy, live: frozenset[str]) -> int:
+    if not policy.elastic:
+        return policy.quorum
     return max(1, min(policy.quorum, len(live))) if live else policy.quorum
 
 
@@ -60,9 +63,9 @@ def decide(now_s: float, view: RoundView, live: frozenset[str], policy: RoundPol
     n = len(view.contributors)
     if n == 0:
         return Decision(False, "no contributions yet")
-    if live and live <= view.contributors:
-        return Decision(True, f"all {len(live)} live learners contributed")
     k = effective_quorum(policy, live)
+    if live and live <= view.contributors and (policy.elastic or n >= k):
+        return Decision(True, f"all {len(live)} live learners contributed")
     if n < k or view.quorum_reached_s is None:
         return Decision(False, f"waiting for quorum: {n}/{k} contributions")
     first = view.first_arrival_s if view.first_arrival_s is not None else view.quorum_reached_s

@@ -126,7 +126,7 @@ class FragmentSyncer:
         self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
         self.seen: set[tuple[str, int, int]] = set()
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
-                                  sync_cfg.overlap_steps)
+                                  sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
         self._round = self._new_round()
 
@@ -196,8 +196,8 @@ class FragmentSyncer:
     def view(self, live: frozenset[str]) -> RoundView:
         r = self._round
         q = r.quorum_reached_s
-        if q is None and r.contributors and len(r.contributors) >= min(self.policy.quorum,
-                                                                       max(1, len(live))):
+        if q is None and r.contributors and self.policy.elastic and len(
+                r.contributors) >= min(self.policy.quorum, max(1, len(live))):
             # the quorum shrank (learners died) after contributions arrived
             q = max(r.first_arrival_s or 0.0, 0.0)
         return RoundView(frozenset(r.contributors), r.first_arrival_s, q)

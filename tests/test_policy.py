@@ -211,3 +211,19 @@ def test_first_arrival_at_time_zero():
     d = decide(1.0, view("ab", 0.0, 0.2), LIVE3, p, 1.0, 0.3)
     assert d.grace_s == pytest.approx(0.75, abs=1e-12)
     assert d.close
+
+
+def test_synchronous_quorum_waits_for_dead_learners():
+    """elastic=False (the sync-diloco baseline): K is not capped by the live learners."""
+    from pipeline.policy import RoundPolicy, RoundView, decide
+
+    pol = RoundPolicy(quorum=3, grace_gamma=0.5, grace_max_s=0.0, overlap_steps=0,
+                      elastic=False)
+    live = frozenset({"a", "b"})  # "c" is dead
+    view = RoundView(frozenset({"a", "b"}), 0.0, None)
+    d = decide(10.0, view, live, pol, step_time_s=1.0, sync_time_s=0.0)
+    assert not d.close and "2/3" in d.reason
+    full = RoundView(frozenset({"a", "b", "c"}), 0.0, 5.0)
+    assert decide(10.0, full, live, pol, 1.0, 0.0).close
+    elastic = RoundPolicy(quorum=3, grace_max_s=0.0, overlap_steps=0)
+    assert decide(10.0, view, live, elastic, 1.0, 0.0).close

@@ -106,6 +106,9 @@ class ChaosRun:
         self._pending_events: list[dict] = []
         self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
         self.history: list[dict] = []
+        self.crashes: dict[str, int] = {}
+        self.gave_up: set[str] = set()
+        self.max_crashes = 3
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -238,7 +241,7 @@ class ChaosRun:
         """Restart anything that died without being killed by a fault (and say so)."""
         for name, p in self.procs.items():
             code = p.poll()
-            if code is None or code == 0 or name in self.down:
+            if code is None or code == 0 or name in self.down or name in self.gave_up:
                 continue
             if name == "syncer-0" and any(f["kind"] == "takeover" for f in self.faults):
                 continue
@@ -246,8 +249,13 @@ class ChaosRun:
                 self._spawn(name)
                 self.restarts.append((name, time.time()))
                 continue
+            self.crashes[name] = self.crashes.get(name, 0) + 1
             self._event("crash", target=name, code=code)
-            self._spawn(name)
+            if self.crashes[name] <= self.max_crashes:
+                self._spawn(name)
+            else:  # a crash loop is a bug to report, not something to retry forever
+                self.down.pop(name, None)
+                self.gave_up.add(name)
 
     def _evaluate(self, corpus) -> None:
         from ops.launcher import global_params
@@ -280,7 +288,7 @@ class ChaosRun:
                     "redis" not in self.down:
                 self._evaluate(corpus)
                 next_eval = now + self.eval_every_s
-            learners_done = all(self.procs[f"L{m}"].poll() == 0
+            learners_done = all(self.procs[f"L{m}"].poll() == 0 or f"L{m}" in self.gave_up
                                 for m in range(self.cfg.learners))
             if learners_done or (rel >= duration_s and not self.down and not self.paused
                                  and not self.cut):
@@ -318,6 +326,7 @@ class ChaosRun:
         rep.update({
             "mode": self.cfg.mode, "learners": self.cfg.learners,
             "faults": self.faults, "exit_codes": {n: p.returncode for n, p in self.procs.items()},
+            "crashes": self.crashes, "gave_up": sorted(self.gave_up),
             "learners_finished": sorted(finals), "learner_hashes": hashes,
             "identical_final_values": len({json.dumps(h, sort_keys=True)
                                            for h in hashes.values()}) == 1 and bool(hashes),

@@ -164,7 +164,8 @@ class Learner:
         self.step, tokens, opt_state = self._resume(opt_state)
         every = cfg.checkpoint_every or self.sync.delta_h
         t_rate, tok_rate = time.monotonic(), 0
-        t_train = time.monotonic()
+        t_train = t_first = time.monotonic()
+        steps_here = 0  # steps done by this process (a restarted learner resumes mid-run)
         while self.step < run_cfg.steps:
             t0 = time.monotonic()
             self._drain_inbox()
@@ -174,8 +175,9 @@ class Learner:
             self._pace(t0)
             dt = time.monotonic() - t0
             self.step += 1
-            if self.step == 1:
-                t_first = time.monotonic()  # the first step includes compilation
+            steps_here += 1
+            if steps_here == 1:
+                t_first = time.monotonic()  # the first step of a process includes compilation
             tokens += self.tokens_per_step
             self.tokens_done = tokens
             self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
@@ -208,8 +210,8 @@ class Learner:
                 break
         self.tokens = tokens
         self.train_s = time.monotonic() - t_train
-        self.steady_steps_per_s = ((self.step - 1) / (time.monotonic() - t_first)
-                                   if self.step > 1 else 0.0)
+        self.steady_steps_per_s = ((steps_here - 1) / (time.monotonic() - t_first)
+                                   if steps_here > 1 else 0.0)
 
     def _ckpt_path(self) -> Path | None:
         return self.state_dir / f"{self.id}.ckpt.npz" if self.state_dir else None

@@ -273,7 +273,23 @@ class ChaosRun:
         self.history.append({"wall_s": time.monotonic() - self.t0, "eval_loss": m["loss"],
                              "eval_accuracy": m["accuracy"], "versions": versions})
 
+    def wait_until_training(self, timeout_s: float = 120.0) -> None:
+        """The fault clock starts once every learner has taken an inner step (process start
+        and compilation are not part of the experiment)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            recs = registry.learner_records(self.r, self.keys)
+            if len(recs) >= self.cfg.learners and all(r.get("step", 0) >= 1
+                                                      for r in recs.values()):
+                break
+            if any(p.poll() not in (None, 0) for p in self.procs.values()):
+                raise RuntimeError(f"a process died during startup; see {self.logs}")
+            time.sleep(0.1)
+        self.t_start = time.time()
+        self.t0 = time.monotonic()
+
     def supervise(self, schedule: list[Fault], duration_s: float, corpus=None) -> None:
+        self.wait_until_training()
         todo = list(schedule)
         next_eval = self.t0
         while True:

@@ -20,7 +20,7 @@ import platform
 import time
 from pathlib import Path
 
-from ops.chaos import Fault, random_schedule, run_chaos
+from ops.chaos import random_schedule, run_chaos
 from ops.common import make_corpus
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig

@@ -75,6 +75,12 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     round_times: list[float] = []
     useful_s = 0.0
     contributed: dict[str, list[float]] = defaultdict(list)
+    joins: dict[str, float] = {}
+    for _, f in r.xrange(keys.events):
+        if _s(f.get(b"kind", b"")) == "join":
+            joins.setdefault(_s(f[b"learner"]), float(f[b"t"]))
+    if len(joins) >= learners:  # allocation starts once every learner has joined (past startup)
+        t_start = max(t_start, max(joins.values()))
     for p in range(n_fragments):
         fk = keys.fragment(p)
         for _, f in r.xrange(fk.rounds):
@@ -85,7 +91,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 k = _key_of(r, keys, p, entry_id, id_key) or (learner, p, -1, -1)
                 merged.add(k)
                 contributed[learner].append(t)
-                if i < len(seconds):
+                if i < len(seconds) and t >= t_start:  # inside the accounting window
                     useful_s += frag_weights[p] * float(seconds[i])
             for entry_id, reason in json.loads(f[b"dropped"]):
                 if reason == "duplicate":
@@ -104,10 +110,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                     k = None
             if k is not None:
                 dead.add(k)
-    joins: dict[str, float] = {}
     for _, f in r.xrange(keys.events):
-        if _s(f.get(b"kind", b"")) == "join":
-            joins.setdefault(_s(f[b"learner"]), float(f[b"t"]))
         if _s(f.get(b"kind", b"")) == "dropped":
             fr = int(f[b"fragment"])
             k = _key_of(r, keys, fr, _s(f[b"entry"]), id_key)
@@ -117,8 +120,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 else:
                     dropped_stale.add(k) if _s(f[b"reason"]).startswith("stale") else \
                         dropped_other.add(k)
-    if len(joins) >= learners:  # allocation starts once every learner has joined (past startup)
-        t_start = max(t_start, max(joins.values()))
+    t_end = max([t_end, *round_times])  # the final flush merges work done before the stop
     accounted = merged | dropped_stale | dropped_other | dead
     lost = sorted(acked - accounted)
     wall = max(t_end - t_start, 1e-9)

@@ -35,10 +35,13 @@ from pipeline.model import n_params, param_shapes
 from pipeline.train import evaluate
 
 
-def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> None:
+def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
+    """Store the run configuration; False if the same one was stored already."""
     r = connect(redis_url)
-    registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
-    r.close()
+    try:
+        return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
+    finally:
+        r.close()
 
 
 def global_params(r, keys: RunKeys, n_frags: int) -> tuple[dict[str, np.ndarray], list[int]]:

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+import redis
+
 from broker.errors import BrokerError
 from ops.common import add_config_args, config_from_args, fail, print_json
 from pipeline.config import ConfigError
@@ -44,7 +46,7 @@ def _run_syncer(args: argparse.Namespace) -> int:
     _logging()
     try:
         return syncer.main(syncer.config_from_args(args))
-    except (BrokerError, ConfigError) as e:
+    except (BrokerError, ConfigError, ValueError) as e:
         return fail(str(e))
 
 
@@ -64,10 +66,17 @@ def _init(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args, base=default_demo_config())
-        store_run_config(args.redis_url, args.run, cfg)
+        stored = store_run_config(args.redis_url, args.run, cfg)
     except (BrokerError, ConfigError) as e:
         return fail(str(e))
-    print(f"stored run {args.run!r} (config hash {cfg.run_hash()})")
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return fail(f"Redis did not answer: {e}")
+    if stored:
+        print(f"stored run {args.run!r} (config hash {cfg.run_hash()})")
+    else:
+        print(f"run {args.run!r} already exists with the same run-defining configuration (hash "
+              f"{cfg.run_hash()}); its stored configuration is unchanged (timings in [broker] "
+              f"are not updated by init)")
     return 0
 
 
@@ -80,6 +89,8 @@ def _status(args: argparse.Namespace) -> int:
         report = status.collect(args.redis_url, args.run)
     except BrokerError as e:
         return fail(str(e))
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return fail(f"Redis did not answer: {e}")
     if args.json:
         print_json(report)
     else:

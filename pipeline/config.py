@@ -288,6 +288,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.engine.speeds and len(cfg.engine.speeds) != cfg.learners:
         raise ConfigError(f"engine.speeds: has {len(cfg.engine.speeds)} entries, expected "
                           f"learners={cfg.learners}")
+    if cfg.broker.socket_timeout_s * 1000 <= cfg.broker.block_ms + 500:
+        raise ConfigError(f"broker.socket_timeout_s: {cfg.broker.socket_timeout_s} s must exceed "
+                          f"broker.block_ms ({cfg.broker.block_ms} ms) by at least 0.5 s")
     for learner, _, _ in cfg.engine.failures:
         if learner >= cfg.learners:
             raise ConfigError(f"engine.failures: learner {learner} is out of range "

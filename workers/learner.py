@@ -92,6 +92,10 @@ class Learner:
 
     def _join(self) -> None:
         """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
+        # the last heartbeat of a previous incarnation, read before ours overwrites it
+        self._prior = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
+        if self._prior:
+            self.net.info = {k: self._prior[k] for k in ("step", "tokens") if k in self._prior}
         self.net.start()
         values: dict[str, np.ndarray] = {}
         versions = []
@@ -242,7 +246,7 @@ class Learner:
                     registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
                                    step=step, source="checkpoint")
                     return step, tokens, jax.tree_util.tree_unflatten(treedef, leaves)
-        rec = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
+        rec = self._prior
         if rec and rec.get("step"):
             registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
                            step=rec["step"], source="heartbeat")

@@ -120,7 +120,8 @@ class LearnerNet(threading.Thread):
                     registry.event(self.ctx.r, self.ctx.keys, "reconnect", learner=self.id,
                                    down_s=round(now - down_since, 3))
                     down_since = None
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
+                # unreachable, or full (maxmemory + noeviction): pushes stay queued
                 if down_since is None:
                     down_since = now
                     log.warning("%s: Redis unreachable (%s); training on, retrying", self.id, e)

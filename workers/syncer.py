@@ -413,7 +413,7 @@ class Syncer:
                     outage_since, backoff_s = None, 0.1
                 if self.poll_once():
                     return 0
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
                 if outage_since is None:
                     outage_since = time.monotonic()
                     log.warning("Redis unreachable (%s); retrying with backoff", e)

@@ -241,7 +241,7 @@ class _Replay:
                 continue
         recomputed = None
         if any(row["accepted"] for row in rows):
-            result = core.close(0.0, rec["reason"])
+            result = core.close(0.0, rec["reason"], float(rec.get("scale", 1.0)))
             recomputed = result.sent_hash
             merged = {entry_id: (w, s) for entry_id, _, w, s in result.included}
             for row in rows:
@@ -390,7 +390,8 @@ def _parse_record(rid: str, fields: dict) -> dict:
                             for i, learner, w, s in included],
                "dropped": [[str(i), str(why)] for i, why in dropped],
                "tokens": int(f["tokens"]) if "tokens" in f else None,
-               "steps": int(f["steps"]) if "steps" in f else None}
+               "steps": int(f["steps"]) if "steps" in f else None,
+               "scale": float(f.get("scale", 1.0))}
     except (KeyError, ValueError, TypeError) as e:
         raise _Unusable(f"round record {rid} is malformed: {type(e).__name__}: {e}") from e
     if len({i for i, *_ in rec["included"]}) != len(rec["included"]):

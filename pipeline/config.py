@@ -100,6 +100,9 @@ class SyncConfig:
     # A dead learner leaves the quorum arithmetic (K is capped by the live learners). The
     # synchronous baseline turns this off: every round waits for all K, dead or not.
     elastic_quorum: bool = True
+    # Scale a round's outer gradient by n/L when n of L live learners contributed (see
+    # FragmentSyncer.round_scale); off reproduces unscaled asynchronous merging.
+    partial_round_scaling: bool = True
 
     @property
     def delta_h(self) -> int:

@@ -62,6 +62,7 @@ class RoundResult:
     closed_s: float
     tokens: int
     steps: int
+    scale: float = 1.0
 
 
 @dataclass
@@ -209,10 +210,25 @@ class FragmentSyncer:
     def pending_drops(self) -> list[tuple[str, str]]:
         return self._round.dropped
 
-    def close(self, now_s: float, reason: str) -> RoundResult:
-        """Merge, take the outer step, advance the version and open a new round."""
+    def round_scale(self, live_learners: int) -> float:
+        """Outer-gradient scale of the open round: n/L when n of L live learners contributed.
+
+        Without it, K=1 rounds that each hold one learner apply one full outer step per learner
+        per window (M× the synchronous rate) and Nesterov momentum compounds them; scaled, the
+        outer update per unit of work is the same whether contributions come together or apart.
+        """
+        n = len(self._round.contributors)
+        if not self.sync_cfg.partial_round_scaling or live_learners <= n or n == 0:
+            return 1.0
+        return n / live_learners
+
+    def close(self, now_s: float, reason: str, scale: float = 1.0) -> RoundResult:
+        """Merge, take the outer step (on the merged Δ times `scale`), advance the version and
+        open a new round."""
         r = self._round
         outer_grad = r.merge.result()
+        if scale != 1.0:
+            outer_grad = {k: v * np.float32(scale) for k, v in outer_grad.items()}
         self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state,
                                                self._outer_step)
         self.version += 1
@@ -230,7 +246,7 @@ class FragmentSyncer:
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
             closed_s=now_s, tokens=r.tokens,
-            steps=r.steps)
+            steps=r.steps, scale=scale)
         self._round = self._new_round()
         return result
 

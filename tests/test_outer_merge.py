@@ -414,3 +414,21 @@ def test_state_dict_round_trip_then_identical_closes():
         assert r1.included == r2.included
         for k in r1.theta:
             np.testing.assert_array_equal(r1.theta[k], r2.theta[k])
+
+
+def test_partial_round_scaling():
+    """n of L live learners contributed: the outer gradient is scaled by n/L."""
+    import dataclasses
+
+    s = new_syncer()
+    s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
+    assert s.round_scale(live_learners=4) == 0.25
+    assert s.round_scale(live_learners=1) == 1.0
+    r = s.close(2.0, "r1", s.round_scale(4))
+    # Δ = δ = [0.5, 0, 0, 0] scaled by 1/4; plain SGD with lr 1: Θ(1) = 1 − 0.125
+    np.testing.assert_allclose(r.theta[NAME][0], THETA0[0] - 0.125, rtol=1e-6)
+    assert r.scale == 0.25
+    off = new_syncer()
+    off.sync_cfg = dataclasses.replace(off.sync_cfg, partial_round_scaling=False)
+    off.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
+    assert off.round_scale(4) == 1.0

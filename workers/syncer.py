@@ -291,7 +291,7 @@ class Syncer:
     def _close(self, p: int, reason: str, now: float) -> None:
         f = self.frags[p]
         t0 = time.monotonic()
-        result = f.core.close(now, reason)
+        result = f.core.close(now, reason, f.core.round_scale(len(self.live)))
         self.commits += 1
         if self.cfg.fail_before_commit and self.commits == self.cfg.fail_before_commit:
             os._exit(17)  # fault injection: die with the round merged but not committed
@@ -327,7 +327,7 @@ class Syncer:
         return {
             "version": r.version, "fragment": r.fragment, "reason": r.reason,
             "included": [list(x) for x in r.included], "dropped": [list(x) for x in r.dropped],
-            "hash": r.sent_hash, "tokens": r.tokens, "steps": r.steps,
+            "hash": r.sent_hash, "tokens": r.tokens, "steps": r.steps, "scale": r.scale,
             "seconds": [float(self.frags[r.fragment].entries[i].fields.get(b"seconds", b"0"))
                         for i, *_ in r.included],
             "quorum_wait_s": r.quorum_s - r.first_arrival_s,

@@ -60,8 +60,8 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
         "decoupled int4/bf16": o(base, mode="decoupled"),
         "decoupled bf16/bf16": o(base, mode="decoupled", **{"sync.codec_up": "bf16"}),
         "decoupled plain mean": o(base, mode="decoupled", **{"sync.merge": "mean"}),
-        "K=1 + grace, slow learner": o(base, mode="decoupled", **{"engine.speeds": list(slow)}),
-        "K=1 no grace, slow learner": o(base, mode="decoupled", **{
+        "slow learner K=1 + grace": o(base, mode="decoupled", **{"engine.speeds": list(slow)}),
+        "slow learner K=1 no grace": o(base, mode="decoupled", **{
             "engine.speeds": list(slow), "sync.grace_max_s": 0.0}),
     }
 

@@ -79,8 +79,11 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     for _, f in r.xrange(keys.events):
         if _s(f.get(b"kind", b"")) == "join":
             joins.setdefault(_s(f[b"learner"]), float(f[b"t"]))
-    if len(joins) >= learners:  # allocation starts once every learner has joined (past startup)
-        t_start = max(t_start, max(joins.values()))
+    if len(joins) >= learners:
+        # allocation starts when the last learner joined: from then on every learner-second is
+        # allocated, and the seconds an entry carries (first, compiling step included) all
+        # come after its learner's join
+        t_start = max(joins.values())
     for p in range(n_fragments):
         fk = keys.fragment(p)
         for _, f in r.xrange(fk.rounds):

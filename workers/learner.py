@@ -254,12 +254,13 @@ class Learner:
         return 0, 0, opt_state
 
     def _pace(self, t0: float) -> None:
-        target = max(self.cfg.pace_s, 0.0)
-        if self.cfg.delay_s > 0:
-            time.sleep(self.cfg.delay_s)
-        left = target - (time.monotonic() - t0)
+        """Pad the step to `pace_s` of wall time, then add `delay_s` (a slow learner's step
+        takes pace + delay: pace 0.2 s and delay 0.4 s make a learner three times slower)."""
+        left = max(self.cfg.pace_s, 0.0) - (time.monotonic() - t0)
         if left > 0:
             time.sleep(left)
+        if self.cfg.delay_s > 0:
+            time.sleep(self.cfg.delay_s)
 
     def _reset_secs(self) -> None:
         for p in range(len(self.secs)):

@@ -32,7 +32,8 @@ def anchored_delta(current: Mapping[str, np.ndarray], base_sent: Mapping[str, np
     return {k: (current[k] - base_sent[k]) + delta[k] for k in current}
 
 
-def _norm(x: np.ndarray) -> float:
+def norm(x: np.ndarray) -> float:
+    """‖x‖₂ (a BLAS dot product over the flattened tensor)."""
     flat = x.ravel()
     return float(np.sqrt(np.dot(flat, flat)))
 
@@ -57,8 +58,10 @@ class StreamingMerge:
         self._sum_norm = {k: 0.0 for k in shapes}
         self._scratch: dict[str, np.ndarray] = {}
 
-    def add(self, delta: Mapping[str, np.ndarray], weight: float) -> None:
-        """Fold one outer gradient Δ with weight w into the running sums."""
+    def add(self, delta: Mapping[str, np.ndarray], weight: float,
+            norms: Mapping[str, float] | None = None) -> None:
+        """Fold one outer gradient Δ with weight w into the running sums (pass `norms` when
+        ‖Δ‖ per tensor is already known, to spare a pass over each tensor)."""
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if set(delta) != set(self._sum):
@@ -68,11 +71,11 @@ class StreamingMerge:
             if scratch is None:
                 scratch = self._scratch[k] = np.empty(d.shape, np.float32)
             if self._rda[k]:
-                norm = _norm(d)
-                if norm == 0.0:
+                n = norms[k] if norms is not None else norm(d)
+                if n == 0.0:
                     continue  # φ(0) = 0 and ‖0‖ = 0: adds nothing but its weight
-                np.multiply(d, np.float32(weight / norm), out=scratch)
-                self._sum_norm[k] += weight * norm
+                np.multiply(d, np.float32(weight / n), out=scratch)
+                self._sum_norm[k] += weight * n
             else:
                 np.multiply(d, np.float32(weight), out=scratch)
             np.add(self._sum[k], scratch, out=self._sum[k])

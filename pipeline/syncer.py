@@ -8,6 +8,7 @@ survive a crash is exported by `state_dict` and restored by `from_state_dict`.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.merge import StreamingMerge, token_weight
+from pipeline.merge import StreamingMerge, norm, token_weight
 from pipeline.outer import init_state, make_outer_step, outer_optimizer, outer_step
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
@@ -76,13 +77,6 @@ class _Round:
     tokens: int = 0
     steps: int = 0
     anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
-
-
-def _finite(x: np.ndarray) -> bool:
-    """All values finite? A dot product is finite for finite inputs of sane magnitude; only
-    when it is not is the (allocating) element-wise check needed."""
-    flat = x.ravel()
-    return bool(np.isfinite(np.dot(flat, flat))) or bool(np.isfinite(flat).all())
 
 
 def sent_hash(sent: Mapping[str, quant.QTensor]) -> str:
@@ -167,12 +161,9 @@ class FragmentSyncer:
         elif set(c.delta) != set(self.shapes) or any(
                 c.delta[k].shape != s for k, s in self.shapes.items()):
             reason = "tensors do not match the fragment's names and shapes"
-        elif not all(_finite(d) for d in c.delta.values()):
-            reason = "non-finite values in the contribution"
         self.seen.add(c.key)
         if reason:
-            self._round.dropped.append((c.entry_id, reason))
-            return False, reason
+            return self._drop(c, reason)
         weight = token_weight(c.tokens, c.steps)
         anchor = self._round.anchors.get(c.base_version)
         if anchor is None:  # Θ(v) − Θ̃(b), shared by every contribution anchored at b
@@ -182,7 +173,11 @@ class FragmentSyncer:
         delta = {k: np.add(c.delta[k], anchor[k], out=c.delta[k])
                  if c.owned and c.delta[k].flags.writeable else c.delta[k] + anchor[k]
                  for k in anchor}
-        self._round.merge.add(delta, weight)
+        # one dot product per tensor serves both the finiteness check and the merge's norm
+        norms = {k: norm(d) for k, d in delta.items()}
+        if not all(math.isfinite(n) or np.isfinite(delta[k]).all() for k, n in norms.items()):
+            return self._drop(c, "non-finite values in the contribution")
+        self._round.merge.add(delta, weight, norms)
         r = self._round
         r.contributors[c.learner] = c
         r.included.append((c.entry_id, c.learner, weight, staleness))
@@ -193,6 +188,10 @@ class FragmentSyncer:
         if r.quorum_reached_s is None and len(r.contributors) >= self.policy.quorum:
             r.quorum_reached_s = now_s
         return True, "accepted"
+
+    def _drop(self, c: Contribution, reason: str) -> tuple[bool, str]:
+        self._round.dropped.append((c.entry_id, reason))
+        return False, reason
 
     def view(self, live: frozenset[str]) -> RoundView:
         r = self._round

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from pipeline import config as cfgmod
 from pipeline import data
 from pipeline.config import ConfigError, RunConfig
@@ -76,3 +78,16 @@ def write_json(path: Path, obj: Any) -> None:
 def fail(msg: str, code: int = 2) -> int:
     print(f"diloco: error: {msg}", file=sys.stderr)
     return code
+
+
+# Redis being unreachable is a user-facing condition for every command that reads a run.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+def fail_on(e: BaseException) -> int:
+    """One-line error for an expected exception (Redis unreachable, bad input, missing run)."""
+    if isinstance(e, REDIS_DOWN):
+        return fail(f"Redis did not answer: {e}")
+    if isinstance(e, KeyError) and e.args:
+        return fail(str(e.args[0]))
+    return fail(str(e))

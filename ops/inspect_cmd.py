@@ -476,7 +476,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Entry point of ``diloco inspect``; returns the exit code."""
-    from ops.common import fail, print_json
+    from ops.common import REDIS_DOWN, fail, fail_on, print_json
 
     if args.entry is not None and args.fragment is None:
         return fail("--entry needs --fragment P (the fragment whose stream holds the entry)")
@@ -487,12 +487,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         else:
             rep = collect(args.redis_url, args.run, args.fragment, max(0, args.limit))
             text = render(rep)
-    except KeyError as e:
-        return fail(str(e.args[0]))
-    except (BrokerError, ValueError) as e:
-        return fail(str(e))
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(f"Redis did not answer: {e}")
+    except (KeyError, BrokerError, ValueError, *REDIS_DOWN) as e:
+        return fail_on(e)
     if args.json:
         print_json(rep)
     else:

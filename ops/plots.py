@@ -403,17 +403,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_plot(args: argparse.Namespace) -> int:
     """Entry point of ``diloco plot``; returns the exit code."""
-    import redis
-
     from broker.errors import BrokerError
-    from ops.common import fail, print_json
+    from ops.common import REDIS_DOWN, fail_on, print_json
 
     try:
         rep = make_plots(args.run_dir, args.out, args.redis_url, args.run)
-    except (FileNotFoundError, BrokerError, ValueError) as e:
-        return fail(str(e))
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(f"Redis did not answer: {e}")
+    except (FileNotFoundError, BrokerError, ValueError, *REDIS_DOWN) as e:
+        return fail_on(e)
     if args.json:
         print_json(rep)
     else:

@@ -6,10 +6,8 @@ import argparse
 import logging
 import sys
 
-import redis
-
 from broker.errors import BrokerError
-from ops.common import add_config_args, config_from_args, fail, print_json
+from ops.common import REDIS_DOWN, add_config_args, config_from_args, fail, fail_on, print_json
 from pipeline.config import ConfigError
 
 
@@ -67,10 +65,8 @@ def _init(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, base=default_demo_config())
         stored = store_run_config(args.redis_url, args.run, cfg)
-    except (BrokerError, ConfigError) as e:
-        return fail(str(e))
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(f"Redis did not answer: {e}")
+    except (BrokerError, ConfigError, *REDIS_DOWN) as e:
+        return fail_on(e)
     if stored:
         print(f"stored run {args.run!r} (config hash {cfg.run_hash()})")
     else:
@@ -87,10 +83,8 @@ def _status(args: argparse.Namespace) -> int:
         if args.watch:
             return status.watch(args.redis_url, args.run)
         report = status.collect(args.redis_url, args.run)
-    except BrokerError as e:
-        return fail(str(e))
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(f"Redis did not answer: {e}")
+    except (BrokerError, *REDIS_DOWN) as e:
+        return fail_on(e)
     if args.json:
         print_json(report)
     else:

@@ -280,16 +280,13 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import redis
-
     from broker.errors import BrokerError
+    from ops.common import REDIS_DOWN, fail_on
 
     try:
         rep = export(args.redis_url, args.run, args.out)
-    except (BrokerError, ValueError, OSError) as e:
-        return fail(str(e))
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        return fail(f"Redis did not answer: {e}")
+    except (BrokerError, ValueError, OSError, *REDIS_DOWN) as e:
+        return fail_on(e)
     if args.json:
         print_json(rep)
     else:

@@ -366,7 +366,8 @@ def _int_field(fields: Mapping[Any, Any], key: str) -> int:
 
 
 def parse_entry(
-    fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES
+    fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES,
+    payload_sha256: str | None = None,
 ) -> tuple[EntryMeta, dict[str, QTensor]]:
     """Decode a Redis stream entry built by :func:`entry_fields`.
 
@@ -376,6 +377,8 @@ def parse_entry(
     Args:
         fields: The entry's fields.
         max_bytes: Largest accepted payload.
+        payload_sha256: the payload's hex SHA-256 when the caller already computed it (a
+            syncer hashes a batch of entries on worker threads); None: computed here.
 
     Returns:
         The plain fields and the tensors.
@@ -399,7 +402,7 @@ def parse_entry(
     _check_blob(payload, max_bytes, "payload")
     if len(payload) != nbytes:
         raise DecodeError(f"payload has {len(payload)} bytes, nbytes field says {nbytes}")
-    if sha256_hex(payload) != sha.lower():
+    if (payload_sha256 or sha256_hex(payload)) != sha.lower():
         raise DecodeError("payload sha256 mismatch")
     tensors = unpack_tensors(payload, max_bytes=max_bytes)
     for name, q in tensors.items():

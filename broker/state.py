@@ -17,7 +17,8 @@ def _enc(obj: Any) -> Any:
         a = np.ascontiguousarray(obj)
         if a.dtype.str not in _DTYPES:
             a = a.astype(np.float32)
-        return {"__nd__": [a.dtype.str, list(a.shape), a.tobytes()]}
+        # msgpack packs the buffer itself: one copy into the document, not two
+        return {"__nd__": [a.dtype.str, list(a.shape), memoryview(a.reshape(-1)).cast("B")]}
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):

@@ -11,6 +11,8 @@ need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v python3 >/dev/null || need_apt+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+# the syncer's merge kernels are C, built on first use (without a compiler: numpy, slower)
+command -v cc >/dev/null || command -v gcc >/dev/null || need_apt+=(gcc libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing ${need_apt[*]} with apt-get" >&2
   $SUDO apt-get update -qq

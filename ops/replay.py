@@ -40,7 +40,6 @@ from broker.errors import BrokerError, DecodeError
 from broker.keys import FragmentKeys, RunKeys
 from broker.state import unpack_state
 from pipeline import config as cfgmod
-from pipeline import quant
 from pipeline.fragments import partition
 from pipeline.model import init_params, param_shapes
 from pipeline.syncer import Contribution, FragmentSyncer, sent_hash
@@ -229,9 +228,8 @@ class _Replay:
             if meta.fragment != self.p or meta.learner != learner:
                 bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
                     f"{meta.fragment}, the record says learner {learner!r} fragment {self.p}")
-            delta = {k: quant.dequantize(q) for k, q in tensors.items()}
             c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step,
-                             meta.steps, meta.tokens, delta, entry_id=entry_id,
+                             meta.steps, meta.tokens, tensors, entry_id=entry_id,
                              nbytes=len(fields.get(b"payload", b"")))
             ok, why = core.offer(c, 0.0)
             row["accepted"], row["refusal"] = ok, None if ok else why

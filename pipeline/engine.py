@@ -236,10 +236,9 @@ class Engine:
         lr.bytes_sent += nbytes
         eng = self.cfg.engine
         arrive = t_s + eng.latency_s + nbytes * 8 / eng.bandwidth_bps
-        delta = {k: quant.dequantize(q) for k, q in push.payload.items()}
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
-                         push.tokens, delta, entry_id=f"{lr.name}:{push.fragment}:{push.step}",
-                         nbytes=nbytes, owned=True)
+                         push.tokens, dict(push.payload),
+                         entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
         self._work_s[c.entry_id] = push.steps * eng.step_s / lr.speed
         self._push_event(arrive, "arrive", c)
 

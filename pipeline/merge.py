@@ -12,10 +12,12 @@ memory stays O(fragment size) however many learners contribute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
+from pipeline import kernels, quant
 from pipeline.model import is_embedding
 
 
@@ -38,8 +40,19 @@ def norm(x: np.ndarray) -> float:
     return float(np.sqrt(np.dot(flat, flat)))
 
 
+class NonFiniteContribution(ValueError):
+    """A contribution whose values (or whose norm) are not finite; nothing was added."""
+
+
 class StreamingMerge:
     """Running weighted sums for one fragment; `result()` gives the merged outer gradient.
+
+    Each contribution arrives as δ (quantised or fp32) plus the anchor a = Θ(v) − Θ̃(b) of its
+    base version, shared by every contribution anchored at b; Δ = a + δ is never formed. Per
+    tensor, one pass gives ‖δ‖² and ⟨a, δ⟩, so ‖Δ‖² = ‖a‖² + 2⟨a, δ⟩ + ‖δ‖² (‖a‖² once per
+    anchor); a second pass adds c·δ to an fp64 sum (c = w/‖Δ‖ for RDA, w for the mean), and
+    c is added to the anchor's coefficient. `result()` folds Σ_b C_b·a_b in once per anchor.
+    Both passes are the fused kernels of `pipeline.kernels` (decode inside the loop).
 
     Args:
         shapes: name → shape of the fragment's tensors.
@@ -50,35 +63,69 @@ class StreamingMerge:
         if method not in ("rda", "mean"):
             raise ValueError(f"sync.merge: {method!r} is not one of rda, mean")
         self.method = method
+        self.shapes = {k: tuple(s) for k, s in shapes.items()}
         self.total_weight = 0.0
         self.count = 0
         self._rda = {k: method == "rda" and not is_embedding(k) for k in shapes}
         # fp64 sums make the fp32 result (almost always) independent of arrival order.
         self._sum = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
         self._sum_norm = {k: 0.0 for k in shapes}
-        self._scratch: dict[str, np.ndarray] = {}
+        # anchor id → (the anchor's tensors, ‖a‖² per tensor, Σ c per tensor)
+        self._anchors: dict[object, tuple[Mapping[str, np.ndarray], dict[str, float],
+                                          dict[str, float]]] = {}
 
-    def add(self, delta: Mapping[str, np.ndarray], weight: float,
-            norms: Mapping[str, float] | None = None) -> None:
-        """Fold one outer gradient Δ with weight w into the running sums (pass `norms` when
-        ‖Δ‖ per tensor is already known, to spare a pass over each tensor)."""
+    def add(self, delta: Mapping[str, quant.QTensor | np.ndarray], weight: float,
+            anchor: Mapping[str, np.ndarray] | None = None, anchor_id: object = None) -> None:
+        """Fold one outer gradient Δ = anchor + δ with weight w into the running sums.
+
+        Args:
+            delta: name → δ, a :class:`~pipeline.quant.QTensor` or an fp32 array.
+            weight: w > 0.
+            anchor: name → fp32 a (None: Δ = δ); contributions passing the same `anchor_id`
+                must pass the same anchor.
+            anchor_id: identifies the anchor (the base version).
+
+        Raises:
+            NonFiniteContribution: δ holds NaN or infinity (nothing is added; ‖Δ‖² is summed
+                in fp64, which no finite fp32 tensor overflows).
+            ValueError: bad weight, tensors that do not match the fragment's.
+        """
         if not weight > 0:
             raise ValueError(f"merge weight must be > 0, got {weight}")
         if set(delta) != set(self._sum):
             raise ValueError("contribution tensors do not match the fragment's tensors")
         for k, d in delta.items():
-            scratch = self._scratch.get(k)
-            if scratch is None:
-                scratch = self._scratch[k] = np.empty(d.shape, np.float32)
+            if tuple(d.shape) != self.shapes[k]:
+                raise ValueError(f"{k}: shape {tuple(d.shape)}, the fragment's is "
+                                 f"{self.shapes[k]}")
+        slot = None
+        if anchor is not None:
+            slot = self._anchors.get(anchor_id)
+            if slot is None:
+                slot = self._anchors[anchor_id] = (
+                    anchor, dict(zip(anchor, (dd for dd, _ in kernels.stats(
+                        [(a, None) for a in anchor.values()])), strict=True)),
+                    {k: 0.0 for k in anchor})
+        names = list(delta)
+        # pass 1 over every tensor before any sum changes
+        stats = kernels.stats([(delta[k], slot[0][k] if slot else None) for k in names])
+        coefs = {}
+        for k, (dd, ad) in zip(names, stats, strict=True):
+            n2 = dd + 2.0 * ad + (slot[1][k] if slot else 0.0)
+            if not math.isfinite(n2):
+                raise NonFiniteContribution(f"{k}: non-finite values")
             if self._rda[k]:
-                n = norms[k] if norms is not None else norm(d)
-                if n == 0.0:
-                    continue  # φ(0) = 0 and ‖0‖ = 0: adds nothing but its weight
-                np.multiply(d, np.float32(weight / n), out=scratch)
-                self._sum_norm[k] += weight * n
+                n = math.sqrt(max(n2, 0.0))
+                coefs[k] = (weight / n, weight * n) if n > 0.0 else None  # φ(0) = 0
             else:
-                np.multiply(d, np.float32(weight), out=scratch)
-            np.add(self._sum[k], scratch, out=self._sum[k])
+                coefs[k] = (weight, 0.0)
+        live = [k for k in names if coefs[k] is not None]
+        kernels.axpy([(self._sum[k], delta[k], coefs[k][0]) for k in live])
+        for k in live:
+            c, wn = coefs[k]
+            self._sum_norm[k] += wn
+            if slot:
+                slot[2][k] += c
         self.total_weight += weight
         self.count += 1
 
@@ -88,7 +135,10 @@ class StreamingMerge:
             raise ValueError("no contributions to merge")
         out = {}
         for k, s in self._sum.items():
-            mean = s / self.total_weight
+            total = s.copy()
+            kernels.axpy([(total, anchor[k], coef[k]) for anchor, _, coef in
+                          self._anchors.values() if coef[k] != 0.0])
+            mean = total / self.total_weight
             if self._rda[k]:
                 norm = float(np.sqrt(np.sum(np.square(mean))))
                 radius = self._sum_norm[k] / self.total_weight

@@ -244,8 +244,12 @@ def quantize(x: np.ndarray, codec: str, block: int = DEFAULT_BLOCK) -> QTensor:
     return QTensor(codec, shape, _bf16_bits(flat), None, 0)
 
 
-def _check_layout(q: QTensor) -> int:
-    """Validate the internal consistency of ``q``; return its element count."""
+def check_layout(q: QTensor) -> int:
+    """Validate the internal consistency of ``q``; return its element count.
+
+    Raises:
+        ValueError: unknown codec, wrong payload dtype or size, wrong number of scales.
+    """
     _check_codec(q.codec)
     n = int(np.prod(q.shape, dtype=np.int64)) if q.shape else 1
     if q.data.ndim != 1 or q.data.dtype != _DATA_DTYPE[q.codec]:
@@ -279,7 +283,7 @@ def dequantize(q: QTensor, workspace: np.ndarray | None = None) -> np.ndarray:
         ValueError: If ``q`` is internally inconsistent (unknown codec, wrong payload
             dtype or size, wrong number of scales).
     """
-    n = _check_layout(q)
+    n = check_layout(q)
     if q.codec == "fp32":
         return q.data.astype(np.float32, copy=True).reshape(q.shape)
     if q.codec == "bf16":

@@ -1,14 +1,14 @@
 """The syncer's state machine for one fragment: accept contributions, decide, close rounds.
 
-No I/O: the distributed syncer (``workers/syncer.py``) and the in-process engine feed it decoded
-contributions and the clock, persist what `close` returns and publish it. State that must
-survive a crash is exported by `state_dict` and restored by `from_state_dict`.
+No I/O: the distributed syncer (``workers/syncer.py``) and the in-process engine feed it
+contributions (quantised, as they came off the wire) and the clock, persist what `close`
+returns and publish it. State that must survive a crash is exported by `state_dict` and
+restored by `from_state_dict`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,14 +18,14 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.merge import StreamingMerge, norm, token_weight
+from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
 from pipeline.outer import init_state, make_outer_step, outer_optimizer, outer_step
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
 
 @dataclass
 class Contribution:
-    """One decoded push: δ = base − θ of one fragment from one learner."""
+    """One push: δ = base − θ of one fragment from one learner, quantised or fp32."""
 
     learner: str
     fragment: int
@@ -33,12 +33,9 @@ class Contribution:
     step: int
     steps: int
     tokens: int
-    delta: dict[str, np.ndarray]
+    delta: dict[str, quant.QTensor | np.ndarray]  # as received (decoded inside the merge)
     entry_id: str = ""
     nbytes: int = 0
-    # True when `delta` is a scratch buffer the syncer may overwrite (saves a 4 MB temporary
-    # per entry in the hot path); False: `offer` leaves the caller's arrays untouched.
-    owned: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -169,15 +166,12 @@ class FragmentSyncer:
         if anchor is None:  # Θ(v) − Θ̃(b), shared by every contribution anchored at b
             anchor = self._round.anchors[c.base_version] = {
                 k: self.theta[k] - h for k, h in self.history[c.base_version].items()}
-        # in place when c.delta is ours to overwrite: no 4 MB temporaries per entry
-        delta = {k: np.add(c.delta[k], anchor[k], out=c.delta[k])
-                 if c.owned and c.delta[k].flags.writeable else c.delta[k] + anchor[k]
-                 for k in anchor}
-        # one dot product per tensor serves both the finiteness check and the merge's norm
-        norms = {k: norm(d) for k, d in delta.items()}
-        if not all(math.isfinite(n) or np.isfinite(delta[k]).all() for k, n in norms.items()):
+        try:
+            self._round.merge.add(c.delta, weight, anchor, anchor_id=c.base_version)
+        except NonFiniteContribution:
             return self._drop(c, "non-finite values in the contribution")
-        self._round.merge.add(delta, weight, norms)
+        except ValueError as err:  # an internally inconsistent quantised tensor
+            return self._drop(c, f"malformed tensors: {err}")
         r = self._round
         r.contributors[c.learner] = c
         r.included.append((c.entry_id, c.learner, weight, staleness))

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +68,15 @@ class _Frag:
     # re-commit what Redis lost if it restarts from an AOF missing its last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
     snapshots: dict[int, bytes] = field(default_factory=dict)
-    workspaces: dict[str, np.ndarray] = field(default_factory=dict)  # reused decode buffers
+
+
+def _payload_digest(e: Entry, limit: int) -> str | None:
+    """sha256 hex of an entry's payload; None when it is missing or oversized (parse_entry
+    then reports it)."""
+    payload = e.fields.get(b"payload")
+    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > limit:
+        return None
+    return codec.sha256_hex(payload)
 
 
 class Syncer:
@@ -98,6 +107,7 @@ class Syncer:
         self.lost = 0
         self.quorum_wait_s = 0.0
         self.grace_wait_s = 0.0
+        self._hasher: ThreadPoolExecutor | None = None
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -170,16 +180,27 @@ class Syncer:
     # -- entries ---------------------------------------------------------------------------------
 
     def _handle(self, entries: list[Entry], check_deliveries: bool = False) -> None:
+        digests = self._digests(entries)
         counts: dict[int, dict[str, int]] = {}
         if check_deliveries:
             for p in {e.fragment for e in entries}:
                 counts[p] = self.streams.delivery_counts(
                     p, [e.entry_id for e in entries if e.fragment == p])
-        for e in entries:
+        for e, digest in zip(entries, digests, strict=True):
             if counts.get(e.fragment, {}).get(e.entry_id, 0) > self.bcfg.max_deliveries:
                 self._dead_letter(e, f"delivered more than {self.bcfg.max_deliveries} times")
                 continue
-            self._offer(e)
+            self._offer(e, digest)
+
+    def _digests(self, entries: list[Entry]):
+        """The payload SHA-256 of each entry, in order, computed on worker threads (hashlib
+        releases the GIL) while this thread merges the entries before it."""
+        if len(entries) < 2:
+            return [None] * len(entries)
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sha256")
+        limit = self.bcfg.max_payload_bytes
+        return self._hasher.map(lambda e: _payload_digest(e, limit), entries)
 
     def _dead_letter(self, e: Entry, reason: str) -> None:
         log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
@@ -188,21 +209,21 @@ class Syncer:
         registry.event(self.ctx.r, self.ctx.keys, "dead-letter", fragment=e.fragment,
                        entry=e.entry_id, reason=reason)
 
-    def _offer(self, e: Entry) -> None:
+    def _offer(self, e: Entry, digest: str | None = None) -> None:
         f = self.frags.get(e.fragment)
         if f is None or e.entry_id in f.entries:
             return  # not ours, or re-delivered while already held in the open round
         try:
-            meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes)
+            meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes,
+                                              payload_sha256=digest)
             if meta.fragment != e.fragment:
                 raise DecodeError(f"entry says fragment {meta.fragment}, stream is {e.fragment}")
-            delta = decode_values(tensors, f.workspaces)
         except (DecodeError, ValueError) as err:
             self._dead_letter(e, f"malformed entry: {err}")
             return
         c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step, meta.steps,
-                         meta.tokens, delta, entry_id=e.entry_id, nbytes=int(len(
-                             e.fields.get(b"payload", b""))), owned=True)
+                         meta.tokens, tensors, entry_id=e.entry_id, nbytes=int(len(
+                             e.fields.get(b"payload", b""))))
         ok, reason = f.core.offer(c, time.monotonic())
         if reason.startswith("defer"):
             f.deferred.append(e)

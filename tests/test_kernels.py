@@ -1,0 +1,171 @@
+"""The fused merge kernels: the C build agrees with its numpy twin, bad input never reaches C,
+and StreamingMerge built on them computes the documented merge."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline import kernels, quant
+from pipeline.merge import NonFiniteContribution, StreamingMerge
+
+CASES = [(996, 64), (1001, 64), (777, 7), (5, 3), (1, 64), (70_000, 5000), (4097, 2)]
+
+
+@pytest.fixture(params=["c", "numpy"])
+def backend(request, monkeypatch):
+    """Run a test on the compiled kernels and on the numpy twin."""
+    if request.param == "numpy":
+        monkeypatch.setattr(kernels, "_lib", None)
+        monkeypatch.setattr(kernels, "_tried", True)
+    elif kernels.backend() != "c":
+        pytest.skip("no C compiler on this machine")
+    return request.param
+
+
+def _reference(q, a):
+    d = quant.dequantize(q).reshape(-1).astype(np.float64)
+    return d, float(d @ d), float(a.astype(np.float64) @ d) if a is not None else 0.0
+
+
+@pytest.mark.parametrize("codec", quant.CODECS)
+def test_stats_and_axpy_match_the_definition(backend, codec):
+    rng = np.random.default_rng(1)
+    for n, block in CASES:
+        x = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+        q = quant.quantize(x, codec, block)
+        a = (rng.standard_normal(n) * 1e-6).astype(np.float32)
+        (dd, ad), (dd0, ad0) = kernels.stats([(q, a), (q, None)])
+        d, want_dd, want_ad = _reference(q, a)
+        assert dd == pytest.approx(want_dd, rel=1e-12) and dd0 == dd and ad0 == 0.0
+        assert ad == pytest.approx(want_ad, rel=1e-9, abs=1e-30)
+        acc = rng.standard_normal(n)
+        want = acc + d * 0.37  # numpy: the product rounded, then the sum rounded
+        kernels.axpy([(acc, q, 0.37)])
+        assert np.array_equal(acc, want), (codec, n, block)
+
+
+def test_c_and_numpy_agree_bit_for_bit_on_sums(monkeypatch):
+    if kernels.backend() != "c":
+        pytest.skip("no C compiler on this machine")
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(100_003) * 1e-2).astype(np.float32)
+    qs = [quant.quantize(x * (i + 1), "int4", 64) for i in range(3)]
+    acc_c = np.zeros(x.size)
+    for i, q in enumerate(qs):
+        kernels.axpy([(acc_c, q, 0.1 * (i + 1))])
+    stats_c = kernels.stats([(q, x) for q in qs])
+    monkeypatch.setattr(kernels, "_lib", None)
+    acc_np = np.zeros(x.size)
+    for i, q in enumerate(qs):
+        kernels.axpy([(acc_np, q, 0.1 * (i + 1))])
+    assert np.array_equal(acc_c, acc_np)
+    for (a, b), (c, d) in zip(stats_c, kernels.stats([(q, x) for q in qs]), strict=True):
+        assert a == pytest.approx(c, rel=1e-13) and b == pytest.approx(d, rel=1e-11)
+
+
+def test_fp32_arrays_are_accepted_as_is(backend):
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    [(dd, ad)] = kernels.stats([(x, np.ones(10, np.float32))])
+    assert dd == float(np.sum(np.arange(10.0) ** 2)) and ad == 45.0
+    acc = np.zeros((2, 5))
+    kernels.axpy([(acc, x, 2.0)])
+    assert np.array_equal(acc, 2.0 * x)
+
+
+def test_inconsistent_input_is_refused_before_any_c_call(backend):
+    q = quant.quantize(np.ones(128, np.float32), "int4", 64)
+    short = quant.QTensor("int4", (256,), q.data, q.scales, 64)  # data for 128 elements
+    with pytest.raises(ValueError):
+        kernels.stats([(short, None)])
+    with pytest.raises(ValueError):
+        kernels.axpy([(np.zeros(256), short, 1.0)])
+    no_scales = quant.QTensor("int8", (4,), np.zeros(4, np.int8), None, 64)
+    with pytest.raises(ValueError):
+        kernels.stats([(no_scales, None)])
+    with pytest.raises(ValueError, match="anchor"):
+        kernels.stats([(q, np.ones(127, np.float32))])
+    with pytest.raises(ValueError, match="accumulator"):
+        kernels.axpy([(np.zeros(128, np.float32), q, 1.0)])
+    with pytest.raises(ValueError, match="accumulator"):
+        kernels.axpy([(np.zeros(129), q, 1.0)])
+
+
+def test_merge_of_quantised_anchored_contributions(backend):
+    """RDA of Δ_i = a_b + δ_i, computed directly in fp64, vs the streaming merge."""
+    rng = np.random.default_rng(3)
+    shapes = {"wte": (50, 8), "h0.mlp.fc": (8, 33)}
+    anchors = {b: {k: (rng.standard_normal(s) * 1e-5).astype(np.float32)
+                   for k, s in shapes.items()} for b in (3, 4)}
+    m = StreamingMerge(shapes, "rda")
+    want_sum = {k: np.zeros(s) for k, s in shapes.items()}
+    want_norm = {k: 0.0 for k in shapes}
+    total = 0.0
+    for i in range(5):
+        base, w = (3, 4)[i % 2], float(i + 1)
+        delta = {k: quant.quantize((rng.standard_normal(s) * 1e-3).astype(np.float32), "int4", 16)
+                 for k, s in shapes.items()}
+        m.add(delta, w, anchors[base], anchor_id=base)
+        total += w
+        for k in shapes:
+            full = anchors[base][k].astype(np.float64) + quant.dequantize(delta[k])
+            if k == "wte":  # embeddings: the weighted mean
+                want_sum[k] += w * full
+            else:
+                n = float(np.linalg.norm(full))
+                want_sum[k] += w * full / n
+                want_norm[k] += w * n
+    got = m.result()
+    mean = want_sum["wte"] / total
+    np.testing.assert_allclose(got["wte"], mean, rtol=1e-5, atol=1e-9)
+    d = want_sum["h0.mlp.fc"] / total
+    rda = d * (want_norm["h0.mlp.fc"] / total) / np.linalg.norm(d)
+    np.testing.assert_allclose(got["h0.mlp.fc"], rda, rtol=1e-5, atol=1e-9)
+
+
+def test_non_finite_contribution_adds_nothing(backend):
+    m = StreamingMerge({"h0.mlp.fc": (4,)})
+    m.add({"h0.mlp.fc": np.ones(4, np.float32)}, 1.0)
+    before = m.result()
+    for bad in (np.array([1, np.nan, 0, 0], np.float32), np.array([np.inf, 0, 0, 0], np.float32),
+                quant.QTensor("bf16", (4,), np.array([0x7FC0, 0, 0, 0], np.uint16), None, 0)):
+        with pytest.raises(NonFiniteContribution):
+            m.add({"h0.mlp.fc": bad}, 5.0)
+    assert m.count == 1 and np.array_equal(m.result()["h0.mlp.fc"], before["h0.mlp.fc"])
+
+
+def test_a_zero_delta_adds_only_its_weight(backend):
+    m = StreamingMerge({"h0.mlp.fc": (3,)})
+    m.add({"h0.mlp.fc": np.zeros(3, np.float32)}, 2.0)
+    m.add({"h0.mlp.fc": np.array([3, 0, 4], np.float32)}, 2.0)
+    # φ-average (0 + 2·(0.6, 0, 0.8)) / 4, radius (0 + 2·5) / 4 = 2.5
+    np.testing.assert_allclose(m.result()["h0.mlp.fc"], [1.5, 0, 2.0], rtol=1e-6)
+    assert math.isclose(m.total_weight, 4.0)
+
+
+def _probe(env: dict) -> str:
+    code = "from pipeline import kernels; print(kernels.backend())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=180, check=True)
+    return out.stdout.strip()
+
+
+def test_build_cache_and_fallbacks(tmp_path):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    cache = tmp_path / "cache"
+    assert _probe({"DILOCO_KERNEL_CACHE": str(cache)}) == "c"
+    built = list(cache.glob("kernels-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert _probe({"DILOCO_KERNEL_CACHE": str(cache)}) == "c"  # loaded, not rebuilt
+    assert built[0].stat().st_mtime_ns == stamp
+    assert _probe({"DILOCO_KERNEL_CACHE": str(cache), "DILOCO_KERNELS": "numpy"}) == "numpy"
+    assert _probe({"DILOCO_KERNEL_CACHE": str(tmp_path / "other"),
+                   "CC": str(tmp_path / "no-such-compiler")}) == "numpy"

@@ -97,23 +97,28 @@ def _store(url: str, run: str, cfg: RunConfig) -> None:
 # -- pipeline efficiency -----------------------------------------------------------------------
 
 def bench_pipeline(quick: bool = False) -> dict:
-    """Two shapes of the same measurement: 64 learners pushing once each into one round
-    (decode + merge dominate; one commit per 64 entries), and 4 learners with a round (merge,
-    outer step, atomic commit, publish) every 4 entries."""
-    shapes = {"decode_merge": (64, 1), "with_commits": (4, 4 if quick else 16)}
-    out: dict = {"bench": "pipeline"}
-    for name, (M, n_rounds) in shapes.items():
-        out[name] = _pipeline_pass(M, n_rounds, reps=2 if quick else 3)
-    out["ratio"] = out["decode_merge"]["ratio"]
+    """Pipeline efficiency, side by side in one run: 64 learners pushing once each into one
+    round (decode + merge dominate; one commit per 64 entries) for each up-link codec (int4 is
+    the shipped default), and 4 learners with a round (merge, outer step, atomic commit,
+    publish) every 4 entries, int4."""
+    from pipeline import kernels
+
+    out: dict = {"bench": "pipeline", "merge_kernels": kernels.backend()}
+    reps = 2 if quick else 3
+    for codec_up in ("int4", "int8", "bf16", "fp32"):
+        out[f"decode_merge_{codec_up}"] = _pipeline_pass(64, 1, reps, codec_up)
+    out["with_commits"] = _pipeline_pass(4, 4 if quick else 16, reps, "int4")
+    out["ratio"] = out["decode_merge_int4"]["ratio"]
     out["ratio_with_commits"] = out["with_commits"]["ratio"]
     return out
 
 
-def _pipeline_pass(M: int, n_rounds: int, reps: int) -> dict:
+def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4") -> dict:
     from workers.common import open_run
     from workers.syncer import Syncer, SyncerConfig
 
-    cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
+    cfg = cfgmod.from_dict({**BIG, "learners": M,
+                            "sync": {**BIG["sync"], "quorum": M, "codec_up": codec_up}})
     p = 1
     with RedisServer(appendonly=False) as srv:
         _store(srv.url, "bench", cfg)

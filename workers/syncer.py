@@ -213,6 +213,9 @@ class Syncer:
         f = self.frags.get(e.fragment)
         if f is None or e.entry_id in f.entries:
             return  # not ours, or re-delivered while already held in the open round
+        if self._defer_unparsed(f, e):
+            f.deferred.append(e)
+            return
         try:
             meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes,
                                               payload_sha256=digest)
@@ -240,6 +243,19 @@ class Syncer:
                 self.duplicated += 1
             f.ack_extra.append(e.entry_id)
             self.dropped += 1
+
+    @staticmethod
+    def _defer_unparsed(f: _Frag, e: Entry) -> bool:
+        """True for an entry whose learner is already in the open round and which is not a
+        duplicate: it waits for the close without being parsed (a learner several rounds ahead
+        is not re-verified and re-decoded at every close). Judged from the plain fields only;
+        anything unusual goes the normal way (parse, then the state machine decides)."""
+        try:
+            key = (e.fields[b"learner"].decode(), int(e.fields[b"base_version"]),
+                   int(e.fields[b"step"]))
+        except (KeyError, ValueError, AttributeError):
+            return False
+        return key[0] in f.core.contributors and key not in f.core.seen
 
     def _claim(self, force: bool = False) -> None:
         now = time.monotonic()

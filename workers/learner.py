@@ -29,7 +29,7 @@ from broker.errors import BrokerError
 from pipeline import data
 from pipeline.learner import LearnerCore, Push
 from pipeline.train import inner_optimizer, make_step
-from workers.common import RunContext, open_run, read_snapshot
+from workers.common import RunContext, enable_compile_cache, open_run, read_snapshot
 from workers.learner_net import LearnerNet
 
 log = logging.getLogger("diloco.learner")
@@ -333,6 +333,8 @@ class Learner:
 
 def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
+    if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
+        enable_compile_cache(Path(cfg.state_dir) / f"{cfg.learner_id}.jax-cache")
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)

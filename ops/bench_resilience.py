@@ -45,7 +45,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
         p.add_argument("--pace-s", type=float, default=0.2)
         p.add_argument("--kill-every-s", type=float, default=30.0)
         p.add_argument("--down-s", type=float, default=5.0)
-        p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--seeds", default="1",
+                       help="comma-separated seeds, one side-by-side run each (s1: the kill "
+                            "schedule; s2: model initialisation and data order)")
         p.add_argument("--out", default=f"runs/bench-{name}")
         p.set_defaults(func=fn)
 
@@ -63,76 +65,141 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
     return rep
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise SystemExit(f"--seeds: expected comma-separated integers, got {text!r}")
+    return seeds
+
+
 def run_s1(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = base_config()
     corpus = make_corpus(base)
-    schedule = random_schedule(args.seed, args.duration, {"kill-learner": args.kill_every_s},
-                               args.down_s, quiet_tail_s=15.0)
-    results = {}
-    for mode in ("decoupled", "sync-diloco"):
-        cfg = cfgmod.override(base, mode=mode)
-        results[mode] = _variant(cfg, out, mode, schedule, args.duration, args.pace_s, corpus)
-    _save(out, "s1", results, args, base)
-    _plot(out / "s1.png", results, "S1: learner failures (shaded), M=4")
+    runs = {}
+    for seed in _seeds(args.seeds):
+        schedule = random_schedule(seed, args.duration, {"kill-learner": args.kill_every_s},
+                                   args.down_s, quiet_tail_s=15.0)
+        runs[seed] = {mode: _variant(cfgmod.override(base, mode=mode), out / f"seed{seed}",
+                                     mode, schedule, args.duration, args.pace_s, corpus)
+                      for mode in ("decoupled", "sync-diloco")}
+        runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
+    summary = {
+        "goodput_decoupled_mean": _mean(r["decoupled"]["goodput"] for r in runs.values()),
+        "goodput_sync_diloco_mean": _mean(r["sync-diloco"]["goodput"] for r in runs.values()),
+        "goodput_ratio_per_seed": {s: r["decoupled"]["goodput"] / r["sync-diloco"]["goodput"]
+                                   for s, r in runs.items()},
+        "final_loss_decoupled_mean": _mean(r["decoupled"]["final_eval_loss"]
+                                           for r in runs.values()),
+        "final_loss_sync_diloco_mean": _mean(r["sync-diloco"]["final_eval_loss"]
+                                             for r in runs.values()),
+        "kills_per_seed": {s: r["kills"] for s, r in runs.items()},
+    }
+    summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
+                                         / summary["goodput_sync_diloco_mean"])
+    _save(out, "s1", runs, summary, args, base)
+    _plot(out / "s1.png", runs, "S1: learner failures (shaded), M=4")
     return 0
 
 
 def run_s2(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = base_config()
-    corpus = make_corpus(base)
     slow = {"L3": 2 * args.pace_s}  # 3× the paced step time: speed 1/3
-    variants = {
-        "decoupled K=1 + grace": cfgmod.override(base, mode="decoupled"),
-        "K=1 no grace": cfgmod.override(base, mode="decoupled", **{"sync.grace_max_s": 0.0}),
-        "sync-diloco": cfgmod.override(base, mode="sync-diloco"),
-    }
-    results = {name: _variant(cfg, out, name, [], args.duration, args.pace_s, corpus, slow)
-               for name, cfg in variants.items()}
-    target = results["sync-diloco"]["final_eval_loss"]
-    for rep in results.values():
-        hit = [h["wall_s"] for h in rep["history"] if h["eval_loss"] <= target]
-        rep["time_to_sync_final_loss_s"] = hit[0] if hit else None
-    _save(out, "s2", results, args, base)
-    _plot(out / "s2.png", results, "S2: speeds 1, 1, 1, 1/3, M=4")
+    runs = {}
+    for seed in _seeds(args.seeds):
+        base = cfgmod.override(base_config(), seed=seed)
+        corpus = make_corpus(base)
+        variants = {
+            "decoupled K=1 + grace": cfgmod.override(base, mode="decoupled"),
+            "K=1 no grace": cfgmod.override(base, mode="decoupled",
+                                            **{"sync.grace_max_s": 0.0}),
+            "sync-diloco": cfgmod.override(base, mode="sync-diloco"),
+        }
+        results = {name: _variant(cfg, out / f"seed{seed}", name, [], args.duration,
+                                  args.pace_s, corpus, slow)
+                   for name, cfg in variants.items()}
+        target = results["sync-diloco"]["final_eval_loss"]
+        for rep in results.values():
+            hit = [h["wall_s"] for h in rep["history"] if h["eval_loss"] <= target]
+            rep["time_to_sync_final_loss_s"] = hit[0] if hit else None
+            rep["sync_finish_s"] = results["sync-diloco"]["history"][-1]["wall_s"]
+            rep["tail_mean_eval_loss"] = _tail_mean(rep["history"], TAIL_S)
+        runs[seed] = results
+    names = list(next(iter(runs.values())))
+    summary = {name: {"final_eval_loss_mean": _mean(r[name]["final_eval_loss"]
+                                                    for r in runs.values()),
+                      f"last_{TAIL_S:.0f}s_mean_eval_loss_mean": _mean(
+                          r[name]["tail_mean_eval_loss"] for r in runs.values()),
+                      "goodput_mean": _mean(r[name]["goodput"] for r in runs.values())}
+               for name in names}
+    _save(out, "s2", runs, summary, args, base_config())
+    _plot(out / "s2.png", runs, "S2: speeds 1, 1, 1, 1/3, M=4")
     return 0
 
 
-def _save(out: Path, name: str, results: dict, args: argparse.Namespace, base: RunConfig):
+TAIL_S = 30.0  # S2 also reports the mean evaluation loss over the run's last 30 s
+
+
+def _tail_mean(history: list[dict], tail_s: float) -> float | None:
+    if not history:
+        return None
+    end = history[-1]["wall_s"]
+    tail = [h["eval_loss"] for h in history if h["wall_s"] >= end - tail_s]
+    return float(sum(tail) / len(tail))
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(sum(vals) / len(vals)) if vals else None
+
+
+def _save(out: Path, name: str, runs: dict, summary: dict, args: argparse.Namespace,
+          base: RunConfig):
     import os
 
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                        f"{platform.python_version()}", "duration_s": args.duration,
-            "pace_s": args.pace_s, "config": cfgmod.to_dict(base)}
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    keys = ("goodput", "availability", "final_eval_loss", "rounds", "pushes_acked", "merged",
-            "dropped_stale", "dead_lettered", "duplicated", "lost", "rejoin_s_p50",
-            "rejoin_s_max", "time_to_sync_final_loss_s")
-    print(json.dumps({k: {kk: v.get(kk) for kk in keys} for k, v in results.items()}, indent=1))
+            "pace_s": args.pace_s, "seeds": args.seeds, "config": cfgmod.to_dict(base)}
+    (out / f"{name}.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "runs": {str(k): v for k, v in runs.items()}},
+        indent=1))
+    keys = ("goodput", "availability", "final_eval_loss", "tail_mean_eval_loss", "rounds",
+            "pushes_acked", "merged", "dropped_stale", "dead_lettered", "duplicated", "lost",
+            "rejoin_s_p50", "rejoin_s_max", "time_to_sync_final_loss_s")
+    print(json.dumps({str(seed): {k: {kk: v.get(kk) for kk in keys}
+                                  for k, v in results.items() if isinstance(v, dict)}
+                      for seed, results in runs.items()}, indent=1))
+    print(json.dumps({"summary": summary}, indent=1))
 
 
-def _plot(path: Path, results: dict, title: str) -> None:
+def _plot(path: Path, runs: dict, title: str) -> None:
+    """Loss vs wall time, one panel per seed, fault windows shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    first = next(iter(results.values()))
-    t_join = first.get("t_join_rel_s", 0.0)
-    for f in first.get("faults", []):
-        ax.axvspan(f["t_rel_s"], f["t_rel_s"] + f["down_s"], color="red", alpha=0.12, lw=0)
-    for name, rep in results.items():
-        xs = [h["wall_s"] - t_join for h in rep["history"]]
-        ax.plot(xs, [h["eval_loss"] for h in rep["history"]], marker="o", ms=3, label=name)
-    ax.set_xlabel("wall time since start (s); red: a learner down")
-    ax.set_ylabel("evaluation loss of the global model (nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 3.6 * len(runs)), dpi=110,
+                             squeeze=False)
+    for ax, (seed, results) in zip(axes[:, 0], runs.items(), strict=True):
+        variants = {k: v for k, v in results.items() if isinstance(v, dict)}
+        first = next(iter(variants.values()))
+        t_join = first.get("t_join_rel_s", 0.0)
+        for f in first.get("faults", []):
+            ax.axvspan(f["t_rel_s"], f["t_rel_s"] + f["down_s"], color="red", alpha=0.12, lw=0)
+        for name, rep in variants.items():
+            xs = [h["wall_s"] - t_join for h in rep["history"]]
+            ax.plot(xs, [h["eval_loss"] for h in rep["history"]], marker="o", ms=3, label=name)
+        ax.set_ylabel("eval loss (nats/byte)")
+        ax.set_title(f"{title} — seed {seed}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("wall time since start (s); red: a learner down")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -49,6 +49,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
                        help="comma-separated seeds, one side-by-side run each (s1: the kill "
                             "schedule; s2: model initialisation and data order)")
         p.add_argument("--out", default=f"runs/bench-{name}")
+        if name == "s2":
+            p.add_argument("--variants", default=",".join(S2_VARIANTS[:3]),
+                           help="comma-separated subset of: " + "; ".join(S2_VARIANTS))
         p.set_defaults(func=fn)
 
 
@@ -114,21 +117,17 @@ def run_s2(args: argparse.Namespace) -> int:
     for seed in _seeds(args.seeds):
         base = cfgmod.override(base_config(), seed=seed)
         corpus = make_corpus(base)
-        variants = {
-            "decoupled K=1 + grace": cfgmod.override(base, mode="decoupled"),
-            "K=1 no grace": cfgmod.override(base, mode="decoupled",
-                                            **{"sync.grace_max_s": 0.0}),
-            "sync-diloco": cfgmod.override(base, mode="sync-diloco"),
-        }
+        variants = {name: _s2_config(base, name) for name in args.variants.split(",")}
         results = {name: _variant(cfg, out / f"seed{seed}", name, [], args.duration,
                                   args.pace_s, corpus, slow)
                    for name, cfg in variants.items()}
-        target = results["sync-diloco"]["final_eval_loss"]
         for rep in results.values():
-            hit = [h["wall_s"] for h in rep["history"] if h["eval_loss"] <= target]
-            rep["time_to_sync_final_loss_s"] = hit[0] if hit else None
-            rep["sync_finish_s"] = results["sync-diloco"]["history"][-1]["wall_s"]
             rep["tail_mean_eval_loss"] = _tail_mean(rep["history"], TAIL_S)
+            if "sync-diloco" in results:
+                target = results["sync-diloco"]["final_eval_loss"]
+                hit = [h["wall_s"] for h in rep["history"] if h["eval_loss"] <= target]
+                rep["time_to_sync_final_loss_s"] = hit[0] if hit else None
+                rep["sync_finish_s"] = results["sync-diloco"]["history"][-1]["wall_s"]
         runs[seed] = results
     names = list(next(iter(runs.values())))
     summary = {name: {"final_eval_loss_mean": _mean(r[name]["final_eval_loss"]
@@ -140,6 +139,23 @@ def run_s2(args: argparse.Namespace) -> int:
     _save(out, "s2", runs, summary, args, base_config())
     _plot(out / "s2.png", runs, "S2: speeds 1, 1, 1, 1/3, M=4")
     return 0
+
+
+S2_VARIANTS = ("decoupled K=1 + grace", "K=1 no grace", "sync-diloco",
+               "K=1 + grace, unscaled", "K=1 no grace, unscaled")
+
+
+def _s2_config(base: RunConfig, name: str) -> RunConfig:
+    """The S2 variants: the shipped decoupled policy (K=1 + grace), the same without grace,
+    sync-diloco, and the two decoupled ones without partial-round scaling (an ablation)."""
+    if name not in S2_VARIANTS:
+        raise SystemExit(f"--variants: unknown variant {name!r}; known: {', '.join(S2_VARIANTS)}")
+    if name == "sync-diloco":
+        return cfgmod.override(base, mode="sync-diloco")
+    over = {} if "no grace" not in name else {"sync.grace_max_s": 0.0}
+    if name.endswith("unscaled"):
+        over["sync.partial_round_scaling"] = False
+    return cfgmod.override(base, mode="decoupled", **over)
 
 
 TAIL_S = 30.0  # S2 also reports the mean evaluation loss over the run's last 30 s

@@ -347,6 +347,11 @@ class ChaosRun:
             "identical_final_values": len({json.dumps(h, sort_keys=True)
                                            for h in hashes.values()}) == 1 and bool(hashes),
             "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
+            "resumes": [{"learner": f[b"learner"].decode(), "step": int(f[b"step"]),
+                         "source": f[b"source"].decode(),
+                         "progress": f.get(b"progress", b"0") == b"1"}
+                        for _, f in self.r.xrange(self.keys.events)
+                        if f.get(b"kind") == b"resume"],
             "history": self.history,
         })
         return rep

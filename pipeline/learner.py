@@ -185,3 +185,62 @@ class LearnerCore:
         self.pending[p] = None
         self.applied += 1
         return params
+
+    # -- checkpointing ---------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(plain JSON-able data, name → array) for a learner checkpoint: the bases, counters,
+        the contribution in flight and a merged value waiting to be applied, per fragment."""
+        meta: dict = {"base_version": list(self.base_version), "steps": list(self.steps),
+                      "tokens": list(self.tokens), "applied": self.applied,
+                      "inflight": [], "pending": []}
+        arrays: dict[str, np.ndarray] = {}
+        for p in range(len(self.fragments)):
+            arrays.update({f"base{p}/{n}": v for n, v in self.base[p].items()})
+            f = self.inflight[p]
+            meta["inflight"].append(None if f is None else {
+                "step": f.step, "base_version": f.base_version, "steps_at_push": f.steps_at_push,
+                "tokens_at_push": f.tokens_at_push, "theta": f.theta_at_push is not None})
+            if f is not None and f.theta_at_push is not None:
+                arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
+            pend = self.pending[p]
+            meta["pending"].append(None if pend is None else pend[0])
+            if pend is not None:
+                arrays.update({f"pending{p}/{n}": v for n, v in pend[1].items()})
+        return meta, arrays
+
+    def load_state(self, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore what `state_dict` saved (the same fragments and tensors).
+
+        Raises:
+            ValueError: the checkpoint does not match this learner's fragments.
+        """
+        P = len(self.fragments)
+        if len(meta["base_version"]) != P:
+            raise ValueError(f"checkpoint has {len(meta['base_version'])} fragments, not {P}")
+
+        def group(prefix: str, p: int) -> dict[str, np.ndarray]:
+            try:
+                return {n: np.asarray(arrays[f"{prefix}{p}/{n}"], np.float32)
+                        for n in self.fragments[p]}
+            except KeyError as e:
+                raise ValueError(f"checkpoint lacks {e.args[0]}") from None
+
+        self.base = [group("base", p) for p in range(P)]
+        self.base_version = [int(v) for v in meta["base_version"]]
+        self.steps = [int(v) for v in meta["steps"]]
+        self.tokens = [int(v) for v in meta["tokens"]]
+        self.applied = int(meta.get("applied", 0))
+        self.inflight = [None if f is None else _InFlight(
+            int(f["step"]), int(f["base_version"]),
+            group("theta_at_push", p) if f.get("theta") else None,
+            int(f["steps_at_push"]), int(f["tokens_at_push"]))
+            for p, f in enumerate(meta["inflight"])]
+        self.pending = [None if v is None else (int(v), group("pending", p))
+                        for p, v in enumerate(meta["pending"])]
+
+    def forget_push(self, p: int) -> None:
+        """Treat fragment p's contribution in flight as never sent (its entry is not in Redis):
+        its progress stays counted and goes out with the next push."""
+        self.inflight[p] = None
+

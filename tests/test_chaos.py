@@ -49,6 +49,9 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
     check(rep)
     assert [f["kind"] for f in rep["faults"]] == [f.kind for f in faults]
     assert rep["rejoins"] >= 3  # L1, L2 and L0 each came back and contributed again
+    # the killed learner resumed its checkpoint, unpushed progress included
+    assert [(r["learner"], r["source"], r["progress"]) for r in rep["resumes"]] == [
+        ("L1", "checkpoint", True)], rep["resumes"]
 
 
 @pytest.mark.slow

@@ -382,3 +382,50 @@ def test_push_quantised_with_codec_up(codec):
     assert q.codec == codec
     err = np.abs(quant.dequantize(q) - 2 * G[FC])
     assert np.all(err <= quant.error_bound(2 * G[FC], codec, CFG.quant_block))
+
+
+@pytest.mark.parametrize("apply", ["overwrite", "rebase"])
+def test_checkpointed_core_continues_exactly_like_the_original(apply):
+    """state_dict → load_state mid-run (a push in flight, a merged value pending): the
+    restored core makes the same pushes and applies the same values as the original."""
+    cfg = dataclasses.replace(CFG, apply=apply)
+    core, params = make(cfg)
+    params, _ = run(core, params, range(1, 3))      # step 2 pushed fragment 1
+    assert core.inflight[1] is not None
+    assert core.on_global(1, 1, V)                  # its merged value arrived, not applied yet
+    meta, arrays = core.state_dict()
+    twin = LearnerCore("a", FRAGS, cfg, {k: np.zeros_like(v) for k, v in BASE.items()}, [0, 0])
+    twin.load_state(meta, {k: v.copy() for k, v in arrays.items()})
+    a_params, a_out = run(core, dict(params), range(3, 9))
+    b_params, b_out = run(twin, dict(params), range(3, 9))
+    assert sorted(a_out) == sorted(b_out) and a_out
+    for t in a_out:
+        for pa, pb in zip(a_out[t], b_out[t], strict=True):
+            assert (pa.fragment, pa.base_version, pa.steps, pa.tokens) == (
+                pb.fragment, pb.base_version, pb.steps, pb.tokens)
+            for k in pa.payload:
+                np.testing.assert_array_equal(quant.dequantize(pa.payload[k]),
+                                              quant.dequantize(pb.payload[k]))
+    for k in a_params:
+        np.testing.assert_array_equal(np.asarray(a_params[k]), np.asarray(b_params[k]))
+    assert core.base_version == twin.base_version and core.applied == twin.applied
+
+
+def test_forgotten_push_goes_out_again_with_its_progress():
+    core, params = make()
+    params, _ = run(core, params, range(1, 3))      # step 2 pushed fragment 1 (2 steps)
+    core.forget_push(1)                             # Redis never acknowledged it
+    _, out = run(core, params, range(3, 7))         # step 6: fragment 1 is due again
+    [push] = out[6]
+    assert push.fragment == 1 and push.steps == 6 and push.base_version == 0
+    np.testing.assert_allclose(decoded(push)[FC], 6 * G[FC])
+
+
+def test_load_state_refuses_a_checkpoint_of_other_fragments():
+    core, _ = make()
+    meta, arrays = core.state_dict()
+    with pytest.raises(ValueError, match="fragments"):
+        LearnerCore("a", [["wte", FC]], CFG, BASE, [0]).load_state(meta, arrays)
+    del arrays[f"base1/{FC}"]
+    with pytest.raises(ValueError, match="lacks"):
+        make()[0].load_state(meta, arrays)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -113,6 +114,7 @@ class Learner:
             self.net._last_version[p] = snap[0]
         self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
         self.params = {k: jnp.asarray(values[k]) for k in self.ctx.shapes}
+        self._joined = (versions, values)
         rejoin = any(versions)
         registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
                        versions=versions, pid=os.getpid())
@@ -221,12 +223,19 @@ class Learner:
         return self.state_dir / f"{self.id}.ckpt.npz" if self.state_dir else None
 
     def _checkpoint(self, opt_state, tokens: int) -> None:
-        """Inner-optimiser state and position, written atomically (temp file + rename)."""
+        """Everything a restart needs to lose only the steps since this checkpoint, written
+        atomically (temp file + rename): position, inner-optimiser state, the parameters with
+        their unpushed progress, and the sync bookkeeping (bases, counters, push in flight)."""
         path = self._ckpt_path()
         leaves = jax.tree_util.tree_leaves(opt_state)
+        meta, core_arrays = self.core.state_dict()
+        meta["secs"] = list(self.secs)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, step=self.step, tokens=tokens, run_hash=self.ctx.run_hash,
-                 **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
+                 core=json.dumps(meta),
+                 **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
+                 **{f"theta/{n}": np.asarray(v) for n, v in self.params.items()},
+                 **{f"core/{k}": v for k, v in core_arrays.items()})
         os.replace(tmp, path)
 
     def _resume(self, opt_state):
@@ -243,8 +252,9 @@ class Learner:
                     n = treedef.num_leaves
                     leaves = [jnp.asarray(z[f"leaf{i}"]) for i in range(n)]
                     step, tokens = int(z["step"]), int(z["tokens"])
+                    progress = "core" in z.files and self._restore_progress(z)
                     registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
-                                   step=step, source="checkpoint")
+                                   step=step, source="checkpoint", progress=int(progress))
                     return step, tokens, jax.tree_util.tree_unflatten(treedef, leaves)
         rec = self._prior
         if rec and rec.get("step"):
@@ -252,6 +262,50 @@ class Learner:
                            step=rec["step"], source="heartbeat")
             return int(rec["step"]), int(rec.get("tokens", 0)), opt_state
         return 0, 0, opt_state
+
+    def _restore_progress(self, z) -> bool:
+        """Resume the checkpointed parameters and sync bookkeeping instead of the snapshots read
+        at join: the unpushed progress of every fragment survives the restart. A push in flight
+        that Redis never acknowledged is forgotten (its progress goes out with the next push);
+        the snapshots newer than the checkpoint's bases are applied the usual way."""
+        try:
+            meta = json.loads(str(z["core"]))
+            params = {n: np.asarray(z[f"theta/{n}"], np.float32) for n in self.ctx.shapes}
+            core_arrays = {k[len("core/"):]: z[k] for k in z.files if k.startswith("core/")}
+            self.core.load_state(meta, core_arrays)
+        except (KeyError, ValueError) as e:
+            log.warning("%s: checkpoint progress not restored (%s); starting from the snapshots",
+                        self.id, e)
+            versions, values = self._joined
+            self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+            return False
+        acked = self._acked_pushes()
+        for p, f in enumerate(self.core.inflight):
+            if f is not None and (p, f.base_version, f.step) not in acked:
+                self.core.forget_push(p)
+            elif f is not None:  # its merged value may still come: repair on the usual timeout
+                self._push_time[p] = time.monotonic()
+        self.params = {k: jnp.asarray(v) for k, v in params.items()}
+        self.secs = [float(x) for x in meta.get("secs", self.secs)]
+        versions, values = self._joined
+        for p, v in enumerate(versions):
+            self.core.on_global(p, v, values)  # ignored unless newer than the restored base
+        return True
+
+    def _acked_pushes(self) -> set[tuple[int, int, int]]:
+        """(fragment, base_version, step) of every push Redis acknowledged, from the log."""
+        path = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
+        out: set[tuple[int, int, int]] = set()
+        if path is None or not path.exists():
+            return out
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the crash
+            if "id" in rec:
+                out.add((int(rec["fragment"]), int(rec["base_version"]), int(rec["step"])))
+        return out
 
     def _pace(self, t0: float) -> None:
         """Pad the step to `pace_s` of wall time, then add `delay_s` (a slow learner's step

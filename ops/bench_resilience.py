@@ -117,7 +117,7 @@ def run_s2(args: argparse.Namespace) -> int:
     for seed in _seeds(args.seeds):
         base = cfgmod.override(base_config(), seed=seed)
         corpus = make_corpus(base)
-        variants = {name: _s2_config(base, name) for name in args.variants.split(",")}
+        variants = {name: _s2_config(base, name) for name in _variant_names(args.variants)}
         results = {name: _variant(cfg, out / f"seed{seed}", name, [], args.duration,
                                   args.pace_s, corpus, slow)
                    for name, cfg in variants.items()}
@@ -143,6 +143,20 @@ def run_s2(args: argparse.Namespace) -> int:
 
 S2_VARIANTS = ("decoupled K=1 + grace", "K=1 no grace", "sync-diloco",
                "K=1 + grace, unscaled", "K=1 no grace, unscaled")
+
+
+def _variant_names(text: str) -> list[str]:
+    """Split a comma-separated list of S2 variant names (some names contain a comma)."""
+    names, rest = [], text.strip()
+    while rest:
+        name = next((n for n in sorted(S2_VARIANTS, key=len, reverse=True)
+                     if rest.startswith(n)), None)
+        if name is None:
+            raise SystemExit(f"--variants: cannot read {rest!r}; known: "
+                             f"{'; '.join(S2_VARIANTS)}")
+        names.append(name)
+        rest = rest[len(name):].lstrip(",").strip()
+    return names
 
 
 def _s2_config(base: RunConfig, name: str) -> RunConfig:

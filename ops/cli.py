@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from workers import native
+
+    native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     return int(args.func(args) or 0)
 
 

@@ -50,18 +50,10 @@ PATTERNS = [
 ]
 
 
-# The one carve-out: kernels.py reads its build settings (CC, DILOCO_KERNELS,
-# DILOCO_KERNEL_CACHE) from the environment and keeps a build cache; both of its backends
-# compute the same merge (tests/test_kernels.py).
-ALLOWED = {"kernels.py": {"os.environ"}}
-
-
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_sources_have_no_environment_clock_or_network(path):
     text = path.read_text()
     for pattern, what in PATTERNS:
-        if what in ALLOWED.get(path.name, ()):
-            continue
         hits = [i + 1 for i, line in enumerate(text.splitlines())
                 if re.search(pattern, line)]
         assert not hits, f"{path.name}: {what} on line(s) {hits}"

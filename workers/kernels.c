@@ -1,9 +1,9 @@
 /* The syncer's hot loop, fused: decode a quantised contribution and fold it into fp64 sums.
  *
- * Built by pipeline/kernels.py on first use (cc -O3 -ffp-contract=off) and called through ctypes,
+ * Built by workers/native.py on first use (cc -O3 -ffp-contract=off) and called through ctypes,
  * which releases the GIL for the duration of each call. pipeline/kernels.py holds the numpy
- * twin of every function here; the two agree exactly on the decoded values and the sums, and to
- * the last bits on the dot products (summation order).
+ * definition of every function here; the two agree bit for bit, dot products included (same
+ * summation order: LANES below must equal pipeline.kernels.LANES).
  *
  * Element j of a tensor decodes exactly as pipeline/quant.py decodes it:
  *   int4  d = (float)((nibble ^ 8) - 8) * scale[j / block]  (element 2i: low nibble of byte i)

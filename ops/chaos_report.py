@@ -18,6 +18,7 @@ import numpy as np
 import redis
 
 from broker.keys import RunKeys
+from workers.learner_net import read_push_log
 
 Key = tuple[str, int, int, int]
 
@@ -36,11 +37,7 @@ def read_acked(state_dir: Path) -> tuple[IdMap, set[Key], int, set[Key]]:
     attempted: set[Key] = set()
     repushes = 0
     for path in sorted(state_dir.glob("*.acked.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by SIGKILL: its XADD result was never recorded
+        for rec in read_push_log(path):
             k = (rec["learner"], int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
             if rec.get("attempt"):
                 attempted.add(k)

@@ -34,12 +34,6 @@ def anchored_delta(current: Mapping[str, np.ndarray], base_sent: Mapping[str, np
     return {k: (current[k] - base_sent[k]) + delta[k] for k in current}
 
 
-def norm(x: np.ndarray) -> float:
-    """‖x‖₂ (a BLAS dot product over the flattened tensor)."""
-    flat = x.ravel()
-    return float(np.sqrt(np.dot(flat, flat)))
-
-
 class NonFiniteContribution(ValueError):
     """A contribution whose values (or whose norm) are not finite; nothing was added."""
 
@@ -106,6 +100,7 @@ class StreamingMerge:
                     anchor, dict(zip(anchor, (dd for dd, _ in kernels.stats(
                         [(a, None) for a in anchor.values()])), strict=True)),
                     {k: 0.0 for k in anchor})
+        delta = {k: kernels.operand(d) for k, d in delta.items()}  # validated once, used twice
         names = list(delta)
         # pass 1 over every tensor before any sum changes
         stats = kernels.stats([(delta[k], slot[0][k] if slot else None) for k in names])

@@ -267,17 +267,14 @@ def check_layout(q: QTensor) -> int:
     return n
 
 
-def dequantize(q: QTensor, workspace: np.ndarray | None = None) -> np.ndarray:
+def dequantize(q: QTensor) -> np.ndarray:
     """Decode a :class:`QTensor`.
 
     Args:
         q: The quantised tensor.
-        workspace: optional reusable float32 buffer of at least ``decode_workspace_size(q)``
-            elements; int4 decodes into it (no fresh allocation: a hot loop that decodes
-            many contributions avoids first-touch page faults). The result then aliases it.
 
     Returns:
-        A float32 array of shape ``q.shape`` (new unless `workspace` was used).
+        A new float32 array of shape ``q.shape``.
 
     Raises:
         ValueError: If ``q`` is internally inconsistent (unknown codec, wrong payload
@@ -291,7 +288,7 @@ def dequantize(q: QTensor, workspace: np.ndarray | None = None) -> np.ndarray:
         bits <<= 16
         return bits.view(np.float32).reshape(q.shape)
     if q.codec == "int4" and q.block % 2 == 0:
-        return _dequantize_int4_lut(q, n, workspace)
+        return _dequantize_int4_lut(q, n)
     values = _unpack_int4(q.data, n) if q.codec == "int4" else q.data
     scales = q.scales
 
@@ -314,20 +311,9 @@ def _nibble_lut() -> np.ndarray:
 _NIBBLE_LUT = _nibble_lut()
 
 
-def decode_workspace_size(q: QTensor) -> int:
-    """float32 elements a `dequantize` workspace for `q` needs."""
-    return 2 * q.data.size if q.codec == "int4" else int(np.prod(q.shape, dtype=np.int64))
-
-
-def _dequantize_int4_lut(q: QTensor, n: int, workspace: np.ndarray | None = None) -> np.ndarray:
+def _dequantize_int4_lut(q: QTensor, n: int) -> np.ndarray:
     """int4 decode in two passes: a table gather (two values per byte), then block scales."""
-    if workspace is not None and workspace.dtype == np.float32 and \
-            workspace.size >= 2 * q.data.size and workspace.flags.c_contiguous:
-        pairs = workspace.ravel()[: 2 * q.data.size].view(np.uint64)
-        np.take(_NIBBLE_LUT, q.data, out=pairs)
-        flat = pairs.view(np.float32)
-    else:
-        flat = _NIBBLE_LUT[q.data].view(np.float32)
+    flat = _NIBBLE_LUT[q.data].view(np.float32)
     full = n // q.block
     with np.errstate(over="ignore"):
         if full:

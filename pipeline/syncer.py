@@ -142,7 +142,7 @@ class FragmentSyncer:
         """
         if c.key in self.seen:
             return False, "duplicate"
-        if c.learner in self._round.contributors:
+        if self.waits_for_next_round(c.learner, c.key):
             return False, "defer: learner already contributed to the open round"
         staleness = self.version - c.base_version
         reason = ""
@@ -182,6 +182,11 @@ class FragmentSyncer:
         if r.quorum_reached_s is None and len(r.contributors) >= self.policy.quorum:
             r.quorum_reached_s = now_s
         return True, "accepted"
+
+    def waits_for_next_round(self, learner: str, key: tuple[str, int, int]) -> bool:
+        """True when a contribution (not a duplicate) comes from a learner already in the open
+        round: it is offered again after the close."""
+        return key not in self.seen and learner in self._round.contributors
 
     def _drop(self, c: Contribution, reason: str) -> tuple[bool, str]:
         self._round.dropped.append((c.entry_id, reason))

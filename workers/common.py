@@ -52,20 +52,9 @@ def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
     return RunContext(r, keys, cfg, run_hash, shapes, frags)
 
 
-def decode_values(tensors: dict[str, quant.QTensor],
-                  workspaces: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Dequantise every tensor; with `workspaces` (name → reusable buffer, filled on first
-    use) int4 tensors decode into the buffers instead of fresh arrays."""
-    if workspaces is None:
-        return {k: quant.dequantize(q) for k, q in tensors.items()}
-    out = {}
-    for k, q in tensors.items():
-        need = quant.decode_workspace_size(q)
-        buf = workspaces.get(k)
-        if buf is None or buf.size < need:
-            buf = workspaces[k] = np.empty(need, np.float32)
-        out[k] = quant.dequantize(q, workspace=buf)
-    return out
+def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
+    """Dequantise every tensor."""
+    return {k: quant.dequantize(q) for k, q in tensors.items()}
 
 
 def read_snapshot(ctx: RunContext, p: int) -> tuple[int, dict[str, np.ndarray]] | None:

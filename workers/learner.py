@@ -31,7 +31,7 @@ from pipeline import data
 from pipeline.learner import LearnerCore, Push
 from pipeline.train import inner_optimizer, make_step
 from workers.common import RunContext, enable_compile_cache, open_run, read_snapshot
-from workers.learner_net import LearnerNet
+from workers.learner_net import LearnerNet, read_push_log
 
 log = logging.getLogger("diloco.learner")
 
@@ -81,9 +81,8 @@ class Learner:
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else None
         if self.state_dir is not None:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.net = LearnerNet(ctx, self.id, zctx,
-                              acked_log=self.state_dir / f"{self.id}.acked.jsonl"
-                              if self.state_dir else None,
+        self._push_log = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
+        self.net = LearnerNet(ctx, self.id, zctx, acked_log=self._push_log,
                               sub_endpoints=cfg.sub_endpoints)
         self.tokens_per_step = ctx.cfg.inner.batch_size * ctx.cfg.model.seq_len
         self.secs = [0.0] * len(ctx.fragments)
@@ -294,18 +293,11 @@ class Learner:
 
     def _acked_pushes(self) -> set[tuple[int, int, int]]:
         """(fragment, base_version, step) of every push Redis acknowledged, from the log."""
-        path = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
-        out: set[tuple[int, int, int]] = set()
+        path = self._push_log
         if path is None or not path.exists():
-            return out
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by the crash
-            if "id" in rec:
-                out.add((int(rec["fragment"]), int(rec["base_version"]), int(rec["step"])))
-        return out
+            return set()
+        return {(int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
+                for rec in read_push_log(path) if "id" in rec}
 
     def _pace(self, t0: float) -> None:
         """Pad the step to `pace_s` of wall time, then add `delay_s` (a slow learner's step

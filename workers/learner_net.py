@@ -28,6 +28,16 @@ from workers.common import RunContext, decode_values
 log = logging.getLogger("diloco.learner")
 
 
+def read_push_log(path: Path):
+    """The records of a learner's push log (attempts, acknowledgements), in order; a last line
+    cut short by a crash is skipped (that XADD's result was never recorded)."""
+    for line in path.read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
 @dataclass
 class NetStats:
     pushes_attempted: int = 0

@@ -31,6 +31,7 @@ from broker.streams import Entry, FragmentStreams, LeaseLost, id_key
 from pipeline import quant
 from pipeline.model import init_params
 from pipeline.syncer import Contribution, FragmentSyncer, RoundResult
+from workers import native
 from workers.common import RunContext, decode_values, open_run
 
 log = logging.getLogger("diloco.syncer")
@@ -194,13 +195,17 @@ class Syncer:
 
     def _digests(self, entries: list[Entry]):
         """The payload SHA-256 of each entry, in order, computed on worker threads (hashlib
-        releases the GIL) while this thread merges the entries before it."""
+        releases the GIL) while this thread merges the entries before it; None for entries
+        not ours or already known to wait unparsed for the next round."""
         if len(entries) < 2:
             return [None] * len(entries)
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sha256")
         limit = self.bcfg.max_payload_bytes
-        return self._hasher.map(lambda e: _payload_digest(e, limit), entries)
+        skip = [(f := self.frags.get(e.fragment)) is None or self._defer_unparsed(f, e)
+                for e in entries]
+        return self._hasher.map(lambda e, s: None if s else _payload_digest(e, limit),
+                                entries, skip)
 
     def _dead_letter(self, e: Entry, reason: str) -> None:
         log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
@@ -246,16 +251,15 @@ class Syncer:
 
     @staticmethod
     def _defer_unparsed(f: _Frag, e: Entry) -> bool:
-        """True for an entry whose learner is already in the open round and which is not a
-        duplicate: it waits for the close without being parsed (a learner several rounds ahead
-        is not re-verified and re-decoded at every close). Judged from the plain fields only;
-        anything unusual goes the normal way (parse, then the state machine decides)."""
+        """The state machine's deferral rule, judged from the plain fields before parsing: a
+        learner several rounds ahead is not re-verified and re-decoded at every close. Anything
+        unusual goes the normal way (parse, then the state machine decides)."""
         try:
             key = (e.fields[b"learner"].decode(), int(e.fields[b"base_version"]),
                    int(e.fields[b"step"]))
         except (KeyError, ValueError, AttributeError):
             return False
-        return key[0] in f.core.contributors and key not in f.core.seen
+        return f.core.waits_for_next_round(key[0], key)
 
     def _claim(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -488,6 +492,7 @@ class Syncer:
 
 def main(cfg: SyncerConfig) -> int:
     """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
+    native.install()
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
     zctx = zmq.Context()
     s = Syncer(cfg, ctx, zctx)

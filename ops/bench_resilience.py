@@ -142,7 +142,7 @@ def run_s2(args: argparse.Namespace) -> int:
 
 
 S2_VARIANTS = ("decoupled K=1 + grace", "K=1 no grace", "sync-diloco",
-               "K=1 + grace, unscaled", "K=1 no grace, unscaled")
+               "K=1 + grace, full steps", "K=1 no grace, full steps")
 
 
 def _variant_names(text: str) -> list[str]:
@@ -161,14 +161,14 @@ def _variant_names(text: str) -> list[str]:
 
 def _s2_config(base: RunConfig, name: str) -> RunConfig:
     """The S2 variants: the shipped decoupled policy (K=1 + grace), the same without grace,
-    sync-diloco, and the two decoupled ones without partial-round scaling (an ablation)."""
+    sync-diloco, and ablations of both decoupled ones with a full outer step per round."""
     if name not in S2_VARIANTS:
         raise SystemExit(f"--variants: unknown variant {name!r}; known: {', '.join(S2_VARIANTS)}")
     if name == "sync-diloco":
         return cfgmod.override(base, mode="sync-diloco")
     over = {} if "no grace" not in name else {"sync.grace_max_s": 0.0}
-    if name.endswith("unscaled"):
-        over["sync.partial_round_scaling"] = False
+    if name.endswith("full steps"):
+        over["sync.round_step"] = "full"
     return cfgmod.override(base, mode="decoupled", **over)
 
 

@@ -20,6 +20,8 @@ MODES = ("ddp", "sync-diloco", "decoupled")
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("rda", "mean")
 APPLIES = ("overwrite", "rebase")
+# How much of an outer step a round takes (see FragmentSyncer.round_share).
+ROUND_STEPS = ("share", "full")
 
 
 class ConfigError(ValueError):
@@ -100,9 +102,11 @@ class SyncConfig:
     # A dead learner leaves the quorum arithmetic (K is capped by the live learners). The
     # synchronous baseline turns this off: every round waits for all K, dead or not.
     elastic_quorum: bool = True
-    # Scale a round's outer gradient by n/L when n of L live learners contributed (see
-    # FragmentSyncer.round_scale); off reproduces unscaled asynchronous merging.
-    partial_round_scaling: bool = True
+    # How much of an outer step a round takes (FragmentSyncer.round_share): "share" (n/L of a
+    # step when n of L live learners contributed, momentum decayed by μ^(n/L): the outer update
+    # per unit of work does not depend on how pushes group into rounds) or "full" (one step per
+    # round, as synchronous DiLoCo; sync-diloco always uses it).
+    round_step: str = field(default="share", metadata=_rng(choices=ROUND_STEPS))
 
     @property
     def delta_h(self) -> int:
@@ -164,7 +168,8 @@ class RunConfig:
         """The sync policy the mode implies: sync-diloco is P=1, K=M, no grace, blocking."""
         if self.mode == "sync-diloco":
             return replace(self.sync, fragments=1, quorum=self.learners, grace_max_s=0.0,
-                           overlap_steps=0, strict=True, elastic_quorum=False)
+                           overlap_steps=0, strict=True, elastic_quorum=False,
+                           round_step="full")
         return self.sync
 
     def run_hash(self) -> str:
@@ -244,6 +249,13 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a table")
     known = {f.name: f for f in fields(cls)}
+    if cls is SyncConfig and "partial_round_scaling" in data:  # configs of earlier releases
+        data = dict(data)
+        legacy = data.pop("partial_round_scaling")
+        if not isinstance(legacy, bool):
+            raise ConfigError(f"{prefix}.partial_round_scaling: expected true or false, "
+                              f"got {legacy!r}")
+        data.setdefault("round_step", "share" if legacy else "full")
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown field (known: {', '.join(known)})")

@@ -268,7 +268,7 @@ class Engine:
             reason = force_reason
         if not s.contributors:
             return
-        result = s.close(self.now, reason, s.round_scale(len(self._live())))
+        result = s.close(self.now, reason, s.round_share(len(self._live())))
         s.record_sync_time(self.cfg.engine.sync_s)
         self.rounds += 1
         frac = self.frag_sizes[p] / self.n_params

@@ -38,12 +38,14 @@ def backend() -> str:
 
 
 def _lane_dot(x: np.ndarray, y: np.ndarray) -> float:
-    """Σ x·y in fp64 in the fixed lane order described in the module docstring."""
-    prod = x * y
-    pad = (-prod.size) % LANES
-    if pad:
-        prod = np.concatenate([prod, np.zeros(pad)])
-    lanes = np.add.reduce(prod.reshape(-1, LANES), axis=0)  # row by row: increasing j
+    """Σ x·y in fp64 in the fixed lane order described in the module docstring (non-finite
+    input gives a non-finite result, as in C, without a warning: the merge rejects it)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        prod = x * y
+        pad = (-prod.size) % LANES
+        if pad:
+            prod = np.concatenate([prod, np.zeros(pad)])
+        lanes = np.add.reduce(prod.reshape(-1, LANES), axis=0)  # row by row: increasing j
     total = 0.0
     for v in lanes.tolist():
         total += v

@@ -48,3 +48,39 @@ def outer_step(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray
 
 def init_state(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray]):
     return opt.init({k: jnp.asarray(v, jnp.float32) for k, v in theta.items()})
+
+
+def partial_outer_step(cfg: OuterConfig, theta: Mapping[str, np.ndarray],
+                       outer_grad: Mapping[str, np.ndarray], state, u: float):
+    """A fraction u ∈ (0, 1] of one outer step of ``optax.sgd(lr, μ, nesterov)``.
+
+    The gradient enters the momentum as u·g and the momentum decays by μ^u, so k steps of
+    1/k on the same gradient move the value about as far as one step does, and momentum
+    fades at the same rate per unit of merged work however it is split into rounds:
+
+        m ← μ^u·m + u·g,  update = u·g + μ·(1 − μ^u)/(1 − μ)·m   (Nesterov)
+                          update = (1 − μ^u)/(1 − μ)·m            (heavy ball)
+        Θ ← Θ − lr·update
+
+    u = 1 is exactly optax's step. `state` is optax's (TraceState, EmptyState) for sgd with
+    momentum (or an EmptyState tuple without), returned in the same structure.
+    """
+    if not 0.0 < u <= 1.0:
+        raise ValueError(f"partial step u={u} outside (0, 1]")
+    mu = float(cfg.momentum)
+    f32 = np.float32
+    if not mu:
+        return {k: (theta[k] - f32(cfg.lr * u) * outer_grad[k]).astype(f32)
+                for k in theta}, state
+    trace_state, *rest = state
+    decay = mu ** u
+    keep = (1.0 - decay) / (1.0 - mu)
+    trace, new = {}, {}
+    for k, g in outer_grad.items():
+        ug = f32(u) * np.asarray(g, f32)
+        m = f32(decay) * np.asarray(trace_state.trace[k], f32) + ug
+        update = ug + f32(mu * keep) * m if cfg.nesterov else f32(keep) * m
+        trace[k] = m
+        new[k] = (theta[k] - f32(cfg.lr) * update).astype(f32)
+    ts = trace_state._replace(trace={k: jnp.asarray(v) for k, v in trace.items()})
+    return new, (ts, *rest)

@@ -19,7 +19,8 @@ import numpy as np
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
-from pipeline.outer import init_state, make_outer_step, outer_optimizer, outer_step
+from pipeline.outer import (init_state, make_outer_step, outer_optimizer, outer_step,
+                           partial_outer_step)
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
 
@@ -60,7 +61,7 @@ class RoundResult:
     closed_s: float
     tokens: int
     steps: int
-    scale: float = 1.0
+    scale: float = 1.0  # the share of an outer step taken (FragmentSyncer.round_share)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class FragmentSyncer:
                  sync_cfg: SyncConfig, version: int = 0):
         self.fragment = fragment
         self.sync_cfg = sync_cfg
+        self.outer_cfg = outer_cfg
         self.version = version
         self.theta = {k: np.asarray(v, np.float32) for k, v in theta.items()}
         self.shapes = {k: v.shape for k, v in self.theta.items()}
@@ -208,27 +210,31 @@ class FragmentSyncer:
     def pending_drops(self) -> list[tuple[str, str]]:
         return self._round.dropped
 
-    def round_scale(self, live_learners: int) -> float:
-        """Outer-gradient scale of the open round: n/L when n of L live learners contributed.
+    def round_share(self, live_learners: int) -> float:
+        """How much of an outer step the open round takes (`sync.round_step`).
 
-        Without it, K=1 rounds that each hold one learner apply one full outer step per learner
-        per window (M× the synchronous rate) and Nesterov momentum compounds them; scaled, the
-        outer update per unit of work is the same whether contributions come together or apart.
+        "share": n/L when n of the L live learners contributed (1 when all did), so the outer
+        optimiser advances by one step per full round of work whether the learners' pushes
+        come together or apart (K=1 rounds of one learner each would otherwise apply M full
+        steps per window, and compound them through the momentum). "full": always 1, one
+        step per round as in synchronous DiLoCo.
         """
         n = len(self._round.contributors)
-        if not self.sync_cfg.partial_round_scaling or live_learners <= n or n == 0:
+        if self.sync_cfg.round_step == "full" or n == 0 or live_learners <= n:
             return 1.0
         return n / live_learners
 
-    def close(self, now_s: float, reason: str, scale: float = 1.0) -> RoundResult:
-        """Merge, take the outer step (on the merged Δ times `scale`), advance the version and
-        open a new round."""
+    def close(self, now_s: float, reason: str, share: float = 1.0) -> RoundResult:
+        """Merge, take `share` ∈ (0, 1] of an outer step on the merged Δ (see
+        `pipeline.outer.partial_outer_step`), advance the version and open a new round."""
         r = self._round
         outer_grad = r.merge.result()
-        if scale != 1.0:
-            outer_grad = {k: v * np.float32(scale) for k, v in outer_grad.items()}
-        self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state,
-                                               self._outer_step)
+        if share == 1.0:
+            self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad,
+                                                   self.opt_state, self._outer_step)
+        else:
+            self.theta, self.opt_state = partial_outer_step(self.outer_cfg, self.theta,
+                                                            outer_grad, self.opt_state, share)
         self.version += 1
         self.sent, sent_values = encode_down(self.theta, self.sync_cfg.codec_down,
                                              self.sync_cfg.quant_block)
@@ -244,7 +250,7 @@ class FragmentSyncer:
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
             closed_s=now_s, tokens=r.tokens,
-            steps=r.steps, scale=scale)
+            steps=r.steps, scale=share)
         self._round = self._new_round()
         return result
 

@@ -173,10 +173,22 @@ def test_effective_sync_sync_diloco():
     assert s.grace_max_s == 0.0
     assert s.overlap_steps == 0
     assert s.strict is True
+    assert s.round_step == "full"  # synchronous DiLoCo: one outer step per round
     # other fields pass through
     assert s.codec_up == cfg.sync.codec_up and s.sync_every == cfg.sync.sync_every
     # P = 1 -> Δh = H
     assert s.delta_h == cfg.sync.sync_every
+
+
+def test_legacy_partial_round_scaling_key():
+    """Configs written before `sync.round_step` existed still load, with their meaning."""
+    assert from_dict({"sync": {"partial_round_scaling": True}}).sync.round_step == "share"
+    assert from_dict({"sync": {"partial_round_scaling": False}}).sync.round_step == "full"
+    assert RunConfig().sync.round_step == "share"
+    with pytest.raises(ConfigError, match=r"sync\.partial_round_scaling: expected true or false"):
+        from_dict({"sync": {"partial_round_scaling": "yes"}})
+    with pytest.raises(ConfigError, match=r"sync\.round_step: 'many' is not one of"):
+        from_dict({"sync": {"round_step": "many"}})
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "ddp"])

@@ -416,19 +416,60 @@ def test_state_dict_round_trip_then_identical_closes():
             np.testing.assert_array_equal(r1.theta[k], r2.theta[k])
 
 
-def test_partial_round_scaling():
-    """n of L live learners contributed: the outer gradient is scaled by n/L."""
-    import dataclasses
+def test_partial_outer_step_matches_optax_at_one_and_splits_evenly():
+    """u = 1 is optax's step; k steps of 1/k decay the momentum like one step (μ^(1/k))^k."""
+    from pipeline.outer import partial_outer_step
 
-    s = new_syncer()
+    for cfg in (OuterConfig(), OuterConfig(nesterov=False), OuterConfig(momentum=0.0)):
+        opt = outer_optimizer(cfg)
+        theta = {"w": np.array([1.0, 2.0], F32)}
+        g = {"w": np.array([0.3, -0.1], F32)}
+        a, sa = outer_step(opt, theta, g, init_state(opt, theta))
+        b, sb = partial_outer_step(cfg, theta, g, init_state(opt, theta), 1.0)
+        a, sa = outer_step(opt, a, g, sa)
+        b, sb = partial_outer_step(cfg, b, g, sb, 1.0)
+        np.testing.assert_allclose(b["w"], a["w"], rtol=1e-6, atol=1e-6)
+        if cfg.momentum:
+            np.testing.assert_allclose(sb[0].trace["w"], sa[0].trace["w"], rtol=1e-6)
+    # momentum decay per unit of work: four quarter steps with g = 0 decay it by μ, as one step
+    cfg = OuterConfig()
+    opt = outer_optimizer(cfg)
+    theta = {"w": np.zeros(1, F32)}
+    _, state = outer_step(opt, theta, {"w": np.ones(1, F32)}, init_state(opt, theta))
+    quarter = state
+    for _ in range(4):
+        _, quarter = partial_outer_step(cfg, theta, {"w": np.zeros(1, F32)}, quarter, 0.25)
+    _, whole = outer_step(opt, theta, {"w": np.zeros(1, F32)}, state)
+    np.testing.assert_allclose(quarter[0].trace["w"], whole[0].trace["w"], rtol=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        partial_outer_step(cfg, theta, {"w": np.zeros(1, F32)}, state, 1.5)
+
+
+def test_round_share_and_full():
+    """"share": n of L live learners contributed, n/L of an outer step; "full": a whole one."""
+    s = new_syncer(sync=dataclasses.replace(SYNC, round_step="share"))
     s.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
-    assert s.round_scale(live_learners=4) == 0.25
-    assert s.round_scale(live_learners=1) == 1.0
-    r = s.close(2.0, "r1", s.round_scale(4))
-    # Δ = δ = [0.5, 0, 0, 0] scaled by 1/4; plain SGD with lr 1: Θ(1) = 1 − 0.125
+    assert s.round_share(live_learners=4) == 0.25
+    assert s.round_share(live_learners=1) == 1.0
+    r = s.close(2.0, "r1", s.round_share(4))
+    # a quarter of a step on Δ = δ = [0.5, 0, 0, 0]; plain SGD with lr 1: Θ(1) = 1 − 0.125
     np.testing.assert_allclose(r.theta[NAME][0], THETA0[0] - 0.125, rtol=1e-6)
     assert r.scale == 0.25
-    off = new_syncer()
-    off.sync_cfg = dataclasses.replace(off.sync_cfg, partial_round_scaling=False)
-    off.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
-    assert off.round_scale(4) == 1.0
+    full = new_syncer(sync=dataclasses.replace(SYNC, round_step="full"))
+    full.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
+    assert full.round_share(4) == 1.0
+    assert full.close(2.0, "r1", 1.0).theta[NAME][0] == THETA0[0] - 0.5
+
+
+def test_partial_round_decays_momentum_per_unit_of_work():
+    """Four quarter rounds on the same Δ move Θ about as far as one full round, and leave the
+    momentum as one full round does (μ^(1/4) per quarter)."""
+    quarters, whole = new_syncer(outer=OuterConfig()), new_syncer(outer=OuterConfig())
+    for i in range(4):
+        quarters.offer(contrib("a", i, 2 + i, [0.5, 0, 0, 0]), 1.0 + i)
+        quarters.close(1.5 + i, "q", 0.25)
+    whole.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
+    whole.close(1.5, "w", 1.0)
+    moved_q = THETA0[0] - quarters.theta[NAME][0]
+    moved_w = THETA0[0] - whole.theta[NAME][0]
+    assert 0.7 * moved_w < moved_q < 1.3 * moved_w

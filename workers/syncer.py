@@ -332,7 +332,7 @@ class Syncer:
     def _close(self, p: int, reason: str, now: float) -> None:
         f = self.frags[p]
         t0 = time.monotonic()
-        result = f.core.close(now, reason, f.core.round_scale(len(self.live)))
+        result = f.core.close(now, reason, f.core.round_share(len(self.live)))
         self.commits += 1
         if self.cfg.fail_before_commit and self.commits == self.cfg.fail_before_commit:
             os._exit(17)  # fault injection: die with the round merged but not committed

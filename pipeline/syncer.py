@@ -19,8 +19,13 @@ import numpy as np
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
-from pipeline.outer import (init_state, make_outer_step, outer_optimizer, outer_step,
-                           partial_outer_step)
+from pipeline.outer import (
+    init_state,
+    make_outer_step,
+    outer_optimizer,
+    outer_step,
+    partial_outer_step,
+)
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
 

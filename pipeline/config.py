@@ -250,12 +250,10 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a table")
     known = {f.name: f for f in fields(cls)}
     if cls is SyncConfig and "partial_round_scaling" in data:  # configs of earlier releases
-        data = dict(data)
-        legacy = data.pop("partial_round_scaling")
-        if not isinstance(legacy, bool):
-            raise ConfigError(f"{prefix}.partial_round_scaling: expected true or false, "
-                              f"got {legacy!r}")
-        data.setdefault("round_step", "share" if legacy else "full")
+        raise ConfigError(f"{prefix}.partial_round_scaling: replaced by {prefix}.round_step "
+                          f"(\"share\" or \"full\"); partial rounds now also decay the outer "
+                          f"momentum by their share, so runs recorded with the old field cannot "
+                          f"be replayed by this release")
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown field (known: {', '.join(known)})")

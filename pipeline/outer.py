@@ -1,8 +1,11 @@
 """The outer optimiser: SGD with Nesterov momentum on the merged outer gradient, per fragment.
 
-The outer gradient of a round is the merged Δ = Θ − θ (global minus learner value); the
-update Θ ← Θ + sgd_update(Δ) is an ordinary optax transformation, so anything optax offers
-(e.g. a different momentum or schedule) drops in.
+The outer gradient of a round is the merged Δ = Θ − θ (global minus learner value); a full
+round's update Θ ← Θ + sgd_update(Δ) is optax's jitted sgd step. A partial round (n of L live
+learners) takes a fraction of that step, `partial_outer_step`: the same sgd-with-momentum rule
+written out in numpy with the momentum decayed by μ^u, on optax's own state, so full and
+partial steps interleave freely (a different optax transformation would need its own
+fractional form).
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ def partial_outer_step(cfg: OuterConfig, theta: Mapping[str, np.ndarray],
     decay = mu ** u
     keep = (1.0 - decay) / (1.0 - mu)
     trace, new = {}, {}
-    for k, g in outer_grad.items():
-        ug = f32(u) * np.asarray(g, f32)
+    for k in theta:
+        ug = f32(u) * np.asarray(outer_grad[k], f32)
         m = f32(decay) * np.asarray(trace_state.trace[k], f32) + ug
         update = ug + f32(mu * keep) * m if cfg.nesterov else f32(keep) * m
         trace[k] = m

@@ -180,14 +180,17 @@ def test_effective_sync_sync_diloco():
     assert s.delta_h == cfg.sync.sync_every
 
 
-def test_legacy_partial_round_scaling_key():
-    """Configs written before `sync.round_step` existed still load, with their meaning."""
-    assert from_dict({"sync": {"partial_round_scaling": True}}).sync.round_step == "share"
-    assert from_dict({"sync": {"partial_round_scaling": False}}).sync.round_step == "full"
+def test_legacy_partial_round_scaling_key_refused():
+    """The field of earlier releases is refused with the name of its replacement (its runs'
+    partial rounds followed another rule, so replaying them here would diverge)."""
     assert RunConfig().sync.round_step == "share"
-    with pytest.raises(ConfigError, match=r"sync\.partial_round_scaling: expected true or false"):
-        from_dict({"sync": {"partial_round_scaling": "yes"}})
-    with pytest.raises(ConfigError, match=r"sync\.round_step: 'many' is not one of"):
+    for value in (True, False):
+        with pytest.raises(ConfigError, match=r"sync\.partial_round_scaling: replaced by "
+                                              r"sync\.round_step"):
+            from_dict({"sync": {"partial_round_scaling": value}})
+        with pytest.raises(ConfigError, match=r"sync\.partial_round_scaling: replaced by"):
+            override(RunConfig(), **{"sync.partial_round_scaling": value})
+    with pytest.raises(ConfigError, match=r"sync\.round_step: 'many' is not one of share, full"):
         from_dict({"sync": {"round_step": "many"}})
 
 

@@ -431,10 +431,15 @@ def test_partial_outer_step_matches_optax_at_one_and_splits_evenly():
         np.testing.assert_allclose(b["w"], a["w"], rtol=1e-6, atol=1e-6)
         if cfg.momentum:
             np.testing.assert_allclose(sb[0].trace["w"], sa[0].trace["w"], rtol=1e-6)
-    # momentum decay per unit of work: four quarter steps with g = 0 decay it by μ, as one step
+    # hand value: u = 1/4 from zero momentum, g = 1, lr 0.7, μ 0.9:
+    #   m = 0.25; update = 0.25 + 0.9·(1 − 0.9^0.25)/0.1·0.25 = 0.25 + 0.0584914 = 0.3084914
     cfg = OuterConfig()
     opt = outer_optimizer(cfg)
     theta = {"w": np.zeros(1, F32)}
+    t, st = partial_outer_step(cfg, theta, {"w": np.ones(1, F32)}, init_state(opt, theta), 0.25)
+    np.testing.assert_allclose(st[0].trace["w"], [0.25], rtol=1e-6)
+    np.testing.assert_allclose(t["w"], [-0.7 * 0.3084914], rtol=1e-5)
+    # momentum decay per unit of work: four quarter steps with g = 0 decay it by μ, as one step
     _, state = outer_step(opt, theta, {"w": np.ones(1, F32)}, init_state(opt, theta))
     quarter = state
     for _ in range(4):
@@ -455,6 +460,7 @@ def test_round_share_and_full():
     # a quarter of a step on Δ = δ = [0.5, 0, 0, 0]; plain SGD with lr 1: Θ(1) = 1 − 0.125
     np.testing.assert_allclose(r.theta[NAME][0], THETA0[0] - 0.125, rtol=1e-6)
     assert r.scale == 0.25
+    assert s.round_share(4) == 1.0  # the new round is empty
     full = new_syncer(sync=dataclasses.replace(SYNC, round_step="full"))
     full.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
     assert full.round_share(4) == 1.0
@@ -462,8 +468,8 @@ def test_round_share_and_full():
 
 
 def test_partial_round_decays_momentum_per_unit_of_work():
-    """Four quarter rounds on the same Δ move Θ about as far as one full round, and leave the
-    momentum as one full round does (μ^(1/4) per quarter)."""
+    """Four quarter rounds on the same Δ move Θ about as far as one full round and leave about
+    the same momentum; the old rule (scaled gradient, full decay per round) left 40% of it."""
     quarters, whole = new_syncer(outer=OuterConfig()), new_syncer(outer=OuterConfig())
     for i in range(4):
         quarters.offer(contrib("a", i, 2 + i, [0.5, 0, 0, 0]), 1.0 + i)
@@ -472,4 +478,15 @@ def test_partial_round_decays_momentum_per_unit_of_work():
     whole.close(1.5, "w", 1.0)
     moved_q = THETA0[0] - quarters.theta[NAME][0]
     moved_w = THETA0[0] - whole.theta[NAME][0]
-    assert 0.7 * moved_w < moved_q < 1.3 * moved_w
+    assert 0.7 * moved_w < moved_q < 1.1 * moved_w
+    m_q = quarters.opt_state[0].trace[NAME][0]
+    m_w = whole.opt_state[0].trace[NAME][0]
+    assert abs(m_q / m_w - 1) < 0.06
+    # a partial step's state survives the crash-safe commit, and a full step follows it
+    restored = FragmentSyncer.from_state_dict(pickle.loads(pickle.dumps(quarters.state_dict())),
+                                              OuterConfig(), SYNC)
+    for s in (quarters, restored):
+        s.offer(contrib("b", 4, 9, [0.1, 0, 0, 0]), 9.0)
+    a, b = quarters.close(9.5, "f", 1.0), restored.close(9.5, "f", 1.0)
+    np.testing.assert_array_equal(a.theta[NAME], b.theta[NAME])
+    assert a.sent_hash == b.sent_hash

@@ -72,24 +72,51 @@ class Corpus:
         return self.train[idx].astype(np.int32)
 
     def eval_batches(self, n: int, batch_size: int) -> np.ndarray:
-        """``n`` fixed, non-overlapping evaluation batches ``[n, batch_size, seq_len+1]``."""
+        """``n`` fixed, non-overlapping evaluation batches ``[n, batch_size, seq_len+1]``,
+        windows evenly spaced over the evaluation split."""
         w = self.seq_len + 1
-        count = min(n * batch_size, len(self.eval) // w)
+        total = len(self.eval) // w
+        count = min(n * batch_size, total)
         if count == 0:
             raise ValueError("evaluation split is shorter than one sequence; raise "
                              "data.eval_fraction or data.max_bytes")
-        windows = self.eval[: count * w].reshape(count, w).astype(np.int32)
+        # evenly spaced over the whole split (which spans the corpus), not its first windows
+        pick = np.linspace(0, total - 1, count).round().astype(np.int64)
+        windows = self.eval[: total * w].reshape(total, w)[pick].astype(np.int32)
         nb = max(1, count // batch_size)
         return windows[: nb * batch_size].reshape(nb, batch_size, w)
 
 
+EVAL_PIECES = 64  # the evaluation split is drawn from this many places along the corpus
+
+
 def make_corpus(tokens: np.ndarray, learners: int, seq_len: int, eval_fraction: float,
                 seed: int) -> Corpus:
-    """Split `tokens` into an evaluation tail and `learners` disjoint training shards."""
-    n_eval = max(seq_len + 1, int(len(tokens) * eval_fraction))
-    train, ev = tokens[:-n_eval], tokens[-n_eval:]
+    """Split `tokens` into an evaluation split and `learners` disjoint training shards.
+
+    The evaluation split is held out from `EVAL_PIECES` evenly spaced places along the corpus
+    (the end of each of that many equal blocks, whole windows of seq_len + 1 tokens), so it
+    represents the whole corpus; the rest, in order, is cut into contiguous shards, one per
+    learner. (A corpus of files sorted by name is far from uniform: a tail-only split would
+    measure the part nearest the last learner's shard.)
+    """
+    w = seq_len + 1
+    n_eval = max(w, int(len(tokens) * eval_fraction))
+    pieces = max(1, min(EVAL_PIECES, n_eval // w))
+    block = len(tokens) // pieces
+    take = max(1, (n_eval // pieces) // w) * w  # tokens held out per block, whole windows
+    if take >= block:
+        raise ValueError(f"data: {len(tokens)} tokens are too few to hold out "
+                         f"eval_fraction {eval_fraction}; raise data.max_bytes")
+    keep, ev = [], []
+    for i in range(pieces):
+        lo = i * block
+        hi = len(tokens) if i == pieces - 1 else lo + block
+        keep.append(tokens[lo:hi - take])
+        ev.append(tokens[hi - take:hi])
+    train, ev = np.concatenate(keep), np.concatenate(ev)
     per = len(train) // learners
-    if per < 2 * (seq_len + 1):
+    if per < 2 * w:
         raise ValueError(f"data: {len(train)} training tokens are too few for {learners} "
                          f"learners at seq_len {seq_len}; raise data.max_bytes")
     shards = tuple((m * per, (m + 1) * per) for m in range(learners))

@@ -34,7 +34,7 @@ def test_text_folder_and_token_file(tmp_path):
 def test_shards_are_disjoint_and_batches_deterministic():
     toks = load_tokens(DataConfig(max_bytes=100_000))
     c = make_corpus(toks, learners=4, seq_len=32, eval_fraction=0.05, seed=3)
-    assert len(c.eval) == 5000 and len(c.train) == 95_000
+    assert len(c.eval) + len(c.train) == 100_000 and 4000 <= len(c.eval) <= 5000
     spans = sorted(c.shards)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
     b1, b2 = c.batch(1, 7, 8), c.batch(1, 7, 8)
@@ -50,3 +50,24 @@ def test_shards_are_disjoint_and_batches_deterministic():
     ev = c.eval_batches(3, 8)
     assert ev.shape == (3, 8, 33)
     np.testing.assert_array_equal(ev, c.eval_batches(3, 8))
+
+
+def test_eval_split_spans_the_corpus_and_is_held_out():
+    """The held-out windows come from evenly spaced places along the whole corpus (a corpus
+    of files sorted by name is not uniform), never from training data, and the evaluation
+    batches sample all of them."""
+    n = 200_000
+    toks = np.arange(n, dtype=np.int64)  # every token names its position
+    c = make_corpus(toks, learners=4, seq_len=31, eval_fraction=0.02, seed=0)
+    assert set(c.eval.tolist()).isdisjoint(c.train.tolist())
+    assert len(c.eval) + len(c.train) == n
+    assert len(c.eval) % 32 == 0  # whole windows: none straddles two places
+    held = np.sort(c.eval)
+    assert held[0] < n // 32 and held[-1] == n - 1  # from the start to the end
+    assert np.diff(held).max() <= n // 64 + 32  # no stretch of the corpus left out
+    ev = c.eval_batches(4, 8)
+    firsts = ev[:, :, 0].ravel()
+    assert firsts.min() < n // 8 and firsts.max() > n - n // 8
+    assert all(np.array_equal(r, np.arange(r[0], r[0] + 32)) for r in ev.reshape(-1, 32))
+    with pytest.raises(ValueError, match="too few"):
+        make_corpus(np.arange(100), learners=2, seq_len=31, eval_fraction=0.9, seed=0)

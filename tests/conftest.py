@@ -8,7 +8,7 @@ import shutil
 import psutil
 import pytest
 
-from ops.redis_server import RedisServer
+from ops.cluster.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.chaos import Fault, run_chaos
+from ops.chaos.harness import Fault, run_chaos
 from pipeline import config as cfgmod
 
 TINY = {

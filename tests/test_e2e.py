@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from ops.artifacts import load_checkpoint
-from ops.common import make_corpus
+from ops.cli.common import make_corpus
+from ops.cluster.artifacts import load_checkpoint
 from pipeline import config as cfgmod
 from pipeline.engine import Engine
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ops.common import make_corpus
+from ops.cli.common import make_corpus
 from pipeline import config as cfgmod
 from pipeline.engine import Engine
 

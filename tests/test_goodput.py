@@ -1,4 +1,4 @@
-"""Tests of the goodput simulator (ops/goodput_sim.py) and `diloco goodput` (ops/goodput.py)."""
+"""Tests of the goodput simulator (ops/sim/simulator.py) and `diloco goodput` (ops/sim/scenarios.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ops.goodput_sim import (
+from ops.sim.simulator import (
     PUBLISHED,
     TABLE_CHIPS,
     TABLE_SETUPS,

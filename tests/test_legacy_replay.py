@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from broker.keys import RunKeys
-from ops import replay as replay_mod
+from ops.tools import replay as replay_mod
 
 FIXTURE = Path(__file__).parent / "fixtures" / "legacy_run"
 RUN = "legacy"

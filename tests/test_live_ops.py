@@ -14,7 +14,7 @@ from test_e2e import TINY
 from broker import registry
 from broker.connection import connect
 from broker.keys import RunKeys
-from ops.redis_server import free_port
+from ops.cluster.redis_server import free_port
 from pipeline import config as cfgmod
 
 

@@ -23,8 +23,8 @@ from broker import archive, codec
 from broker.archive import ArchiveError, archive_below, archive_entries, load_archive
 from broker.keys import RunKeys
 from ops import cli
-from ops import replay as replay_mod
-from ops.redis_server import RedisServer
+from ops.cluster.redis_server import RedisServer
+from ops.tools import replay as replay_mod
 from pipeline import config as cfgmod
 from pipeline import quant
 
@@ -89,7 +89,7 @@ def n_fragments(r: redis.Redis) -> int:
 
 def diloco(*argv: str) -> int:
     """`diloco ...` in-process (the replay subcommand through ops.cli once it is wired)."""
-    if "ops.replay" in cli._TOOL_MODULES:
+    if "ops.tools.replay" in cli._TOOL_MODULES:
         return cli.main(list(argv))
     parser = argparse.ArgumentParser(prog="diloco")
     replay_mod.register(parser.add_subparsers(dest="command"))

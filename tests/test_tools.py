@@ -21,9 +21,11 @@ import redis
 from test_e2e import TINY
 
 from broker.keys import GROUP, RunKeys
-from ops import inspect_cmd, plots, tools
-from ops.artifacts import load_checkpoint
-from ops.redis_server import RedisServer
+from ops.cluster.artifacts import load_checkpoint
+from ops.cluster.redis_server import RedisServer
+from ops.tools import checkpoint as tools
+from ops.tools import inspect as inspect_cmd
+from ops.tools import plots
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import partition

@@ -29,11 +29,11 @@ import redis
 from broker import registry
 from broker.connection import connect
 from broker.keys import RunKeys
-from ops import artifacts
-from ops.chaos_report import account
-from ops.common import add_config_args, config_from_args, fail, print_json
-from ops.netproxy import TcpProxy
-from ops.redis_server import RedisServer, free_port
+from ops.chaos.ledger import account
+from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cluster import artifacts
+from ops.cluster.netproxy import TcpProxy
+from ops.cluster.redis_server import RedisServer, free_port
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
@@ -258,7 +258,7 @@ class ChaosRun:
                 self.gave_up.add(name)
 
     def _evaluate(self, corpus) -> None:
-        from ops.launcher import global_params
+        from ops.cluster.launcher import global_params
         from pipeline.train import evaluate
 
         try:
@@ -403,7 +403,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from ops.run_cmd import default_demo_config
+    from ops.cli.run import default_demo_config
 
     try:
         cfg = config_from_args(args, base=replace(default_demo_config(), steps=10**6))

@@ -24,9 +24,9 @@ from broker.connection import connect
 from broker.errors import BrokerError
 from broker.keys import RunKeys
 from broker.state import unpack_state
-from ops import artifacts
-from ops.common import fail, make_corpus, print_json, write_json
-from ops.redis_server import RedisServer
+from ops.cli.common import fail, make_corpus, print_json, write_json
+from ops.cluster import artifacts
+from ops.cluster.redis_server import RedisServer
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.engine import ring_allreduce_bytes_per_step
@@ -281,7 +281,7 @@ def run_distributed(cfg: RunConfig, run_name: str, args: argparse.Namespace) -> 
         if args.json:
             print_json({k: v for k, v in summary.items() if k != "history"})
         else:
-            from ops.run_cmd import print_summary
+            from ops.cli.run import print_summary
 
             print_summary(summary)
         return 0

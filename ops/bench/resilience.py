@@ -20,8 +20,8 @@ import platform
 import time
 from pathlib import Path
 
-from ops.chaos import random_schedule, run_chaos
-from ops.common import make_corpus
+from ops.chaos.harness import random_schedule, run_chaos
+from ops.cli.common import make_corpus
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from broker.errors import BrokerError
-from ops.common import REDIS_DOWN, add_config_args, config_from_args, fail, fail_on, print_json
+from ops.cli.common import REDIS_DOWN, add_config_args, config_from_args, fail, fail_on, print_json
 from pipeline.config import ConfigError
 
 
@@ -59,8 +59,8 @@ def _run_learner(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from ops.launcher import store_run_config
-    from ops.run_cmd import default_demo_config
+    from ops.cli.run import default_demo_config
+    from ops.cluster.launcher import store_run_config
 
     try:
         cfg = config_from_args(args, base=default_demo_config())
@@ -77,7 +77,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ops import status
+    from ops.tools import status
 
     try:
         if args.watch:

@@ -30,7 +30,7 @@ from broker.connection import connect
 from broker.keys import RunKeys
 from broker.pubsub import Subscriber
 from broker.streams import FragmentStreams
-from ops.redis_server import RedisServer
+from ops.cluster.redis_server import RedisServer
 from pipeline import config as cfgmod
 from pipeline import quant
 from pipeline.config import RunConfig
@@ -264,8 +264,8 @@ def bench_overlap(quick: bool = False) -> dict:
     import shutil
     import tempfile
 
-    from ops.launcher import store_run_config
-    from ops.run_cmd import default_demo_config
+    from ops.cli.run import default_demo_config
+    from ops.cluster.launcher import store_run_config
 
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     steps = 300 if quick else 1500

@@ -476,7 +476,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Entry point of ``diloco inspect``; returns the exit code."""
-    from ops.common import REDIS_DOWN, fail, fail_on, print_json
+    from ops.cli.common import REDIS_DOWN, fail, fail_on, print_json
 
     if args.entry is not None and args.fragment is None:
         return fail("--entry needs --fragment P (the fragment whose stream holds the entry)")

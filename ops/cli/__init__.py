@@ -11,8 +11,8 @@ import importlib
 import sys
 
 # Modules that contribute subcommands, in the order they appear in --help.
-_TOOL_MODULES = ("ops.run_cmd", "ops.roles", "ops.inspect_cmd", "ops.replay", "ops.chaos",
-                 "ops.tools", "ops.plots", "ops.bench", "ops.goodput")
+_TOOL_MODULES = ("ops.cli.run", "ops.cli.roles", "ops.tools.inspect", "ops.tools.replay", "ops.chaos.harness",
+                 "ops.tools.checkpoint", "ops.tools.plots", "ops.bench.quality", "ops.sim.scenarios")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,7 +104,7 @@ def read_redis(redis_url: str, run: str) -> tuple[list[dict[str, Any]], dict[str
         BrokerError: The run has no configuration in Redis.
     """
     from broker import registry
-    from ops.inspect_cmd import open_run
+    from ops.tools.inspect import open_run
 
     r, keys, _, _, n_frags = open_run(redis_url, run)
     rounds = []
@@ -404,7 +404,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_plot(args: argparse.Namespace) -> int:
     """Entry point of ``diloco plot``; returns the exit code."""
     from broker.errors import BrokerError
-    from ops.common import REDIS_DOWN, fail_on, print_json
+    from ops.cli.common import REDIS_DOWN, fail_on, print_json
 
     try:
         rep = make_plots(args.run_dir, args.out, args.redis_url, args.run)

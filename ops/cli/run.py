@@ -6,8 +6,7 @@ import argparse
 import sys
 import time
 
-from ops import artifacts
-from ops.common import (
+from ops.cli.common import (
     add_config_args,
     config_from_args,
     fail,
@@ -15,6 +14,7 @@ from ops.common import (
     print_json,
     write_json,
 )
+from ops.cluster import artifacts
 from pipeline.config import ConfigError, RunConfig
 from pipeline.engine import Engine
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     run_name = args.run or time.strftime("run-%Y%m%d-%H%M%S")
     if args.engine == "inprocess":
         return run_inprocess(cfg, run_name, args)
-    from ops.launcher import run_distributed
+    from ops.cluster.launcher import run_distributed
 
     return run_distributed(cfg, run_name, args)
 
@@ -64,7 +64,7 @@ def default_demo_config() -> RunConfig:
 
 
 def run_inprocess(cfg: RunConfig, run_name: str, args: argparse.Namespace) -> int:
-    from ops.wire import codec_sizes
+    from ops.cluster.wire import codec_sizes
 
     run_dir = artifacts.new_run_dir(args.out, run_name)
     artifacts.write_config(run_dir, cfg)

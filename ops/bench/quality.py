@@ -15,8 +15,8 @@ import platform
 import time
 from pathlib import Path
 
-from ops import artifacts
-from ops.common import add_config_args, config_from_args, make_corpus
+from ops.cli.common import add_config_args, config_from_args, make_corpus
+from ops.cluster import artifacts
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.engine import Engine
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run decoupled at these sync intervals H with both codec pairs")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=run_quality)
-    for name in ("ops.bench_pipeline", "ops.bench_resilience"):
+    for name in ("ops.bench.pipeline", "ops.bench.resilience"):
         importlib.import_module(name).register(bsub)
 
 
@@ -80,7 +80,7 @@ def run_quality(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(base)
     results = {}
-    from ops.wire import codec_sizes
+    from ops.cluster.wire import codec_sizes
 
     for name, cfg in runs.items():
         t0 = time.perf_counter()

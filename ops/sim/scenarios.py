@@ -1,6 +1,6 @@
 """`diloco goodput`: goodput and uptime at scale from the discrete-event simulator.
 
-This module owns the command line of the simulator in ``ops/goodput_sim.py``: a scenario
+This module owns the command line of the simulator in ``ops/sim/simulator.py``: a scenario
 mode (setups side by side at given chip counts), ``--table`` (the published table beside the
 simulated one, as text or ``--json``), ``--plot FILE`` (goodput vs chips, PNG) and
 ``--project`` (goodput this implementation would reach at scale, from figures measured on
@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ops.goodput_sim import (
+from ops.sim.simulator import (
     PUBLISHED,
     TABLE_CHIPS,
     TABLE_SETUPS,

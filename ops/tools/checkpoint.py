@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ops.common import fail, print_json
+from ops.cli.common import fail, print_json
 
 BYTE_VOCAB = 256  # sampling draws bytes: token ids >= 256 (token-file vocabularies) never
 
@@ -45,7 +45,7 @@ def read_checkpoint(path: str | Path):
         ValueError: The file is not a checkpoint, or its tensors do not fit its configuration.
         FileNotFoundError: No such file.
     """
-    from ops.artifacts import load_checkpoint
+    from ops.cluster.artifacts import load_checkpoint
     from pipeline.model import param_shapes
 
     path = Path(path)
@@ -79,7 +79,7 @@ def eval_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     import jax.numpy as jnp
 
-    from ops.common import make_corpus
+    from ops.cli.common import make_corpus
     from pipeline.model import n_params
     from pipeline.train import evaluate
 
@@ -195,9 +195,9 @@ def export(redis_url: str, run: str, out: str | Path) -> dict[str, Any]:
     Raises:
         BrokerError: No configuration, or a fragment without committed state.
     """
-    from ops.artifacts import save_checkpoint
-    from ops.inspect_cmd import open_run
-    from ops.launcher import global_params
+    from ops.cluster.artifacts import save_checkpoint
+    from ops.cluster.launcher import global_params
+    from ops.tools.inspect import open_run
 
     out = Path(out)
     if out.suffix != ".npz":
@@ -281,7 +281,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from broker.errors import BrokerError
-    from ops.common import REDIS_DOWN, fail_on
+    from ops.cli.common import REDIS_DOWN, fail_on
 
     try:
         rep = export(args.redis_url, args.run, args.out)

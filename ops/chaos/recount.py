@@ -1,6 +1,6 @@
 """Recount the chaos accounting of finished benchmark runs from their Redis AOF and state logs.
 
-Usage: python -m ops.bench_recount RUN_DIR... (each a chaos run folder with redis/ and state/);
+Usage: python -m ops.chaos.recount RUN_DIR... (each a chaos run folder with redis/ and state/);
 the window is [last learner join, first learner done], extended to the final rounds.
 """
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from ops.chaos_report import account
-from ops.redis_server import RedisServer
+from ops.chaos.ledger import account
+from ops.cluster.redis_server import RedisServer
 from pipeline import config as cfgmod
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.model import param_shapes

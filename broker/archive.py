@@ -31,6 +31,7 @@ import msgpack
 import redis
 
 from broker.errors import DecodeError
+from broker.ids import as_text, id_key
 from broker.keys import RunKeys
 
 ARCHIVE_VERSION = 1
@@ -44,15 +45,6 @@ Fields = dict[bytes, bytes]
 
 class ArchiveError(DecodeError):
     """An archive file is malformed, or two archived copies of one entry differ."""
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def fragment_dir(directory: str | Path, run: str, fragment: int) -> Path:
@@ -98,13 +90,13 @@ def archive_entries(directory: str | Path, run: str, fragment: int,
     """
     rows = []
     for entry_id, fields in entries:
-        eid = _s(entry_id)
+        eid = as_text(entry_id)
         if not _ID_RE.fullmatch(eid):
             raise ValueError(f"not a stream entry id: {eid!r}")
         rows.append([eid, [[_b(k), _b(v)] for k, v in fields.items()]])
     if not rows:
         return None
-    rows.sort(key=lambda row: _id_key(row[0]))
+    rows.sort(key=lambda row: id_key(row[0]))
     folder = fragment_dir(directory, run, fragment)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{rows[0][0]}_{rows[-1][0]}{SUFFIX}"
@@ -148,7 +140,7 @@ def archive_below(r: redis.Redis, keys: RunKeys, fragment: int, min_id: str,
         total += len(rows)
         if len(rows) < page:
             return total
-        start = f"({_s(rows[-1][0])}"
+        start = f"({as_text(rows[-1][0])}"
 
 
 def load_archive(directory: str | Path, run: str, fragment: int) -> dict[str, Fields]:

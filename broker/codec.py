@@ -21,13 +21,14 @@ import hashlib
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from broker.errors import DecodeError
+from pipeline.contribution import Contribution, Push
 from pipeline.quant import CODECS, QTensor, data_nbytes, num_blocks
 
 MAX_PAYLOAD_BYTES = 256 * 2**20
@@ -50,7 +51,12 @@ _HEADER_KEYS = {"v", "run", "fragment", "version", "names", "codecs", "shapes", 
 
 @dataclass(frozen=True)
 class EntryMeta:
-    """The plain (non-payload) fields of a fragment-stream entry."""
+    """The plain (non-payload) fields of a fragment-stream entry: one contribution.
+
+    ``seconds`` is the learner wall time the contribution's steps took (goodput accounting;
+    None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
+    flush). A learner reports both; an entry without them is a plain contribution.
+    """
 
     learner: str
     fragment: int
@@ -59,6 +65,24 @@ class EntryMeta:
     steps: int
     tokens: int
     codec: str
+    # bookkeeping of the run, not of the contribution: equality leaves them out
+    seconds: float | None = field(default=None, compare=False)
+    final: bool = field(default=False, compare=False)
+
+    @classmethod
+    def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
+                final: bool = False) -> EntryMeta:
+        """The entry of a learner's push (:class:`pipeline.learner.Push`)."""
+        return cls(learner, push.fragment, push.base_version, push.step, push.steps,
+                   push.tokens, codec, seconds, final)
+
+    def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
+                     nbytes: int = 0) -> Contribution:
+        """The contribution the syncer's state machine merges (:class:`pipeline.syncer.
+        Contribution`)."""
+        return Contribution(self.learner, self.fragment, self.base_version, self.step,
+                            self.steps, self.tokens, dict(tensors), entry_id=entry_id,
+                            nbytes=nbytes)
 
 
 @dataclass(frozen=True)
@@ -299,7 +323,8 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
 
     Returns:
         The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
-        sha256`` and the binary ``payload``.
+        sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
+        ``meta.seconds`` is reported.
 
     Raises:
         ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
@@ -308,13 +333,16 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         raise ValueError(f"unknown codec {meta.codec!r}")
     if not isinstance(meta.learner, str) or not meta.learner:
         raise ValueError("learner must be a non-empty str")
-    for field in _ENTRY_INT_FIELDS:
-        value = getattr(meta, field)
+    for name in _ENTRY_INT_FIELDS:
+        value = getattr(meta, name)
         if not _is_int(value) or not 0 <= value < 10**19:
-            raise ValueError(f"{field} must be a non-negative int, got {value!r}")
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     for name, q in tensors.items():
         if q.codec != meta.codec:
             raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
+    if meta.seconds is not None and not (isinstance(meta.seconds, int | float)
+                                         and math.isfinite(meta.seconds) and meta.seconds >= 0):
+        raise ValueError(f"seconds must be a finite number >= 0, got {meta.seconds!r}")
     payload = pack_tensors(tensors)
     return {
         "learner": meta.learner,
@@ -323,6 +351,9 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         "nbytes": len(payload),
         "sha256": sha256_hex(payload),
         "payload": payload,
+        # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
+        **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
+                                            "final": "1" if meta.final else "0"}),
     }
 
 
@@ -365,6 +396,47 @@ def _int_field(fields: Mapping[Any, Any], key: str) -> int:
     return int(value)
 
 
+def peek_key(fields: Mapping[Any, Any]) -> tuple[str, int, int] | None:
+    """An entry's identity (learner, base_version, step) from its plain fields alone, without
+    checking or decoding the payload; None when a field is missing or malformed."""
+    try:
+        return (_text_field(fields, "learner"), _int_field(fields, "base_version"),
+                _int_field(fields, "step"))
+    except DecodeError:
+        return None
+
+
+def _optional(fields: Mapping[Any, Any], key: str) -> Any:
+    try:
+        return _field(fields, key)
+    except DecodeError:
+        return None
+
+
+def _seconds_field(fields: Mapping[Any, Any]) -> float | None:
+    value = _optional(fields, "seconds")
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        value = bytes(value[:64]).decode("ascii", "replace")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as e:
+        raise DecodeError(f"field 'seconds' is not a number: {_r(value)}") from e
+    if not math.isfinite(seconds) or seconds < 0:
+        raise DecodeError(f"field 'seconds' must be finite and >= 0, got {_r(value)}")
+    return seconds
+
+
+def _flag_field(fields: Mapping[Any, Any], key: str) -> bool:
+    value = _optional(fields, key)
+    if value is None:
+        return False
+    if value in (b"1", "1", 1, b"0", "0", 0):
+        return value in (b"1", "1", 1)
+    raise DecodeError(f"field {_r(key)} must be 0 or 1, got {_r(value)}")
+
+
 def parse_entry(
     fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES,
     payload_sha256: str | None = None,
@@ -372,7 +444,8 @@ def parse_entry(
     """Decode a Redis stream entry built by :func:`entry_fields`.
 
     Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
-    Fields beyond the known ones are ignored.
+    Fields beyond the known ones are ignored; ``seconds`` and ``final`` may be absent (None,
+    no).
 
     Args:
         fields: The entry's fields.
@@ -392,7 +465,8 @@ def parse_entry(
         raise DecodeError(f"stream entry must be a mapping, got {type(fields).__name__}")
     ints = {key: _int_field(fields, key) for key in _ENTRY_INT_FIELDS}
     meta = EntryMeta(
-        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints
+        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
+        seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
     )
     if meta.codec not in CODECS:
         raise DecodeError(f"unknown codec {_r(meta.codec)}")

@@ -1,58 +1,84 @@
 """Every Redis key of a run. Nothing else in the code base spells a key name.
 
-Run-wide keys (prefix ``ddl:<run>``):
+A run name is 1–64 characters of letters, digits, ``.``, ``_`` and ``-``, starting with a letter
+or digit (no glob characters, braces, colons or spaces: names are safe in key patterns, hash
+tags, file names and shell commands). Every key starts with ``ddl:{<run>`` — a Redis Cluster
+hash tag. The run-wide keys share the tag ``{<run>}``, so they live in one cluster slot; each
+fragment's keys share ``{<run>/fNNNN}``, so one round commits in a single MULTI/EXEC and
+fragments spread over the cluster's nodes.
+
+Run-wide keys:
 
 ====================================  ========  ==============================================
 key                                   type      contents
 ====================================  ========  ==============================================
-``ddl:<run>:config``                  hash      ``toml`` (the run configuration), ``hash``
+``ddl:{<run>}:config``                hash      ``toml`` (the run configuration), ``hash``
                                                 (its run hash), ``created`` (unix time)
-``ddl:<run>:learners``                hash      learner id → JSON of its last heartbeat (step,
-                                                tokens, tokens/s, step time, versions, bytes)
-``ddl:<run>:hb:<learner>``            string    ``1`` with a TTL: the learner is live while set
-``ddl:<run>:syncers``                 hash      syncer id → JSON (PUB endpoint, fragments,
+``ddl:{<run>}:learners``              hash      learner id → JSON of its last heartbeat (step,
+                                                tokens, tokens/s, step time, versions, loss,
+                                                bytes): ``broker.records.Heartbeat``
+``ddl:{<run>}:hb:<learner>``          string    ``1`` with a TTL: the learner is live while set
+``ddl:{<run>}:syncers``               hash      syncer id → JSON (PUB endpoint, fragments,
                                                 rounds, last reason, heartbeat time)
-``ddl:<run>:events``                  stream    join, leave, rejoin, timeout, fault, done …
-``ddl:<run>:done``                    hash      learner id → JSON of its final report
-``ddl:<run>:stop``                    string    set to stop every process at once
-``ddl:<run>:finish``                  string    set to end training early: learners stop
+``ddl:{<run>}:events``                stream    join, leave, rejoin, timeout, fault, done …
+``ddl:{<run>}:done``                  hash      end-of-run reports (``broker.registry``):
+                                                ``<learner>``, ``final:<learner>``,
+                                                ``syncer:<syncer>``
+``ddl:{<run>}:stop``                  string    set to stop every process at once
+``ddl:{<run>}:finish``                string    set to end training early: learners stop
                                                 stepping and take part in the final flush
 ====================================  ========  ==============================================
 
-Per-fragment keys share the Redis Cluster hash tag ``{<run>/fNNNN}`` so that one round commits
-in a single MULTI/EXEC, and fragments spread over cluster nodes:
+Per-fragment keys:
 
 ====================================  ========  ==============================================
 ``ddl:{<run>/fNNNN}:frags``           stream    one entry per push (fields ``learner``,
                                                 ``fragment``, ``base_version``, ``step``,
                                                 ``steps``, ``tokens``, ``codec``, ``nbytes``,
-                                                ``sha256``, ``seconds``, ``final``, binary
-                                                ``payload``); consumer group ``syncers``
+                                                ``sha256``, binary ``payload``, ``seconds``,
+                                                ``final``); consumer group ``syncers``
 ``ddl:{<run>/fNNNN}:state``           string    msgpack syncer state (Θ fp32, momentum,
                                                 version, recent dedupe keys, grace estimator)
 ``ddl:{<run>/fNNNN}:global``          string    snapshot of the latest published value
 ``ddl:{<run>/fNNNN}:sent:<version>``  string    snapshot of a recent version (anchors stale
                                                 contributions; the last max_staleness+1 kept)
 ``ddl:{<run>/fNNNN}:rounds``          stream    one record per closed round
+                                                (``broker.records.RoundRecord``)
 ``ddl:{<run>/fNNNN}:dlq``             stream    entries that failed validation, with reason
 ``ddl:{<run>/fNNNN}:lease``           string    id of the syncer that owns the fragment (PX)
 ====================================  ========  ==============================================
+
+Runs stored by versions before these names (run-wide keys ``ddl:<run>:…`` without a hash tag)
+are recognised by :attr:`RunKeys.legacy_config` and refused with a message that says so.
 """
 
 from __future__ import annotations
 
+import re
+
 GROUP = "syncers"
 PREFIX = "ddl"
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_run_name(run: str) -> str:
+    """`run` if it is a valid run name.
+
+    Raises:
+        ValueError: With a message naming the allowed alphabet.
+    """
+    if not isinstance(run, str) or not RUN_NAME.fullmatch(run):
+        raise ValueError(f"run name {run!r}: use 1 to 64 letters, digits, '.', '_' or '-', "
+                         f"starting with a letter or digit")
+    return run
 
 
 class RunKeys:
     """Key names of one run."""
 
     def __init__(self, run: str):
-        if not run or any(c in run for c in "{}: \t\n"):
-            raise ValueError(f"run name {run!r}: use letters, digits, '-', '_' or '.'")
-        self.run = run
-        base = f"{PREFIX}:{run}"
+        self.run = check_run_name(run)
+        base = f"{PREFIX}:{{{run}}}"
         self.config = f"{base}:config"
         self.learners = f"{base}:learners"
         self.syncers = f"{base}:syncers"
@@ -61,6 +87,8 @@ class RunKeys:
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
+        # where versions before the final key names kept the configuration
+        self.legacy_config = f"{PREFIX}:{run}:config"
 
     def heartbeat(self, learner: str) -> str:
         return self._hb + learner
@@ -73,6 +101,17 @@ class RunKeys:
 
     def fragment(self, p: int) -> FragmentKeys:
         return FragmentKeys(self.run, p)
+
+    @staticmethod
+    def config_pattern() -> str:
+        """A SCAN/KEYS pattern matching the configuration key of every run."""
+        return f"{PREFIX}:{{*}}:config"
+
+    @staticmethod
+    def run_of_config(key: bytes | str) -> str:
+        """The run name of a key matched by :meth:`config_pattern`."""
+        key = key.decode() if isinstance(key, bytes) else key
+        return key[len(PREFIX) + 2:-len("}:config")]
 
 
 class FragmentKeys:

@@ -1,24 +1,27 @@
 """The run registry in Redis: configuration and its hash, heartbeats, syncers, events, done.
 
-Functions that write several keys accept a `pipe` so callers can make them atomic.
+Heartbeats and end-of-run reports are typed records (`broker.records`); the layout of the
+``:done`` hash (which field holds which report) is known here only. Functions that write
+several keys accept a `pipe` so callers can make them atomic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from typing import Any
 
 import redis
 
-from broker.errors import BrokerError, ConfigMismatch
+from broker.errors import BrokerError, ConfigMismatch, DecodeError
+from broker.ids import as_text
 from broker.keys import RunKeys
+from broker.records import FinalPushes, Heartbeat, LearnerFinal, SyncerFinal
 
 EVENTS_MAX = 100_000
-
-
-def _s(v: bytes | str | None) -> str | None:
-    return v.decode() if isinstance(v, bytes) else v
+log = logging.getLogger("diloco.registry")
 
 
 def store_config(r: redis.Redis, keys: RunKeys, toml_text: str, run_hash: str) -> bool:
@@ -27,6 +30,7 @@ def store_config(r: redis.Redis, keys: RunKeys, toml_text: str, run_hash: str) -
     Raises:
         ConfigMismatch: a different configuration is already stored under this run name.
     """
+    _refuse_legacy(r, keys)
     stored = r.hsetnx(keys.config, "hash", run_hash)
     if stored:
         r.hset(keys.config, mapping={"toml": toml_text, "created": repr(time.time())})
@@ -43,25 +47,35 @@ def load_config(r: redis.Redis, keys: RunKeys, wait_s: float = 0.0) -> tuple[str
         if toml_text and run_hash:
             return toml_text.decode(), run_hash.decode()
         if time.monotonic() >= deadline:
+            _refuse_legacy(r, keys)
             raise BrokerError(f"run {keys.run!r} has no configuration in Redis; store one with "
                               f"`diloco init --run {keys.run}` (or `diloco run --init-only`)")
         time.sleep(0.1)
 
 
+def _refuse_legacy(r: redis.Redis, keys: RunKeys) -> None:
+    """A run stored by a version before the final key names is not read (nor written over)."""
+    if r.exists(keys.legacy_config):
+        raise BrokerError(
+            f"run {keys.run!r} was stored by an earlier version of diloco under key names this "
+            f"version does not read ({keys.legacy_config}; now {keys.config}). Use a new run "
+            f"name, or finish and replay it with the version that recorded it")
+
+
 def check_config(r: redis.Redis, keys: RunKeys, run_hash: str) -> None:
-    stored = _s(r.hget(keys.config, "hash"))
+    stored = as_text(r.hget(keys.config, "hash"))
     if stored is not None and stored != run_hash:
         raise ConfigMismatch(
             f"run {keys.run!r} was started with configuration hash {stored}, this process has "
             f"{run_hash}; use the stored configuration (omit --config) or another --run name")
 
 
-def heartbeat(r: redis.Redis, keys: RunKeys, learner: str, info: dict[str, Any], ttl_s: float,
+def heartbeat(r: redis.Redis, keys: RunKeys, learner: str, info: Heartbeat, ttl_s: float,
               pipe: redis.client.Pipeline | None = None) -> None:
-    """Refresh the learner's TTL key and its heartbeat record."""
+    """Refresh the learner's TTL key and its heartbeat record (stamped with the time now)."""
     p = pipe or r.pipeline(transaction=False)
     p.set(keys.heartbeat(learner), b"1", px=int(ttl_s * 1000))
-    p.hset(keys.learners, learner, json.dumps({**info, "t": time.time()}))
+    p.hset(keys.learners, learner, dataclasses.replace(info, t=time.time()).to_json())
     if pipe is None:
         p.execute()
 
@@ -72,15 +86,26 @@ def leave(r: redis.Redis, keys: RunKeys, learner: str) -> None:
 
 def live_learners(r: redis.Redis, keys: RunKeys) -> frozenset[str]:
     """Learners whose heartbeat key has not expired."""
-    names = sorted(_s(n) for n in r.hkeys(keys.learners))
+    names = sorted(as_text(n) for n in r.hkeys(keys.learners))
     if not names:
         return frozenset()
     alive = r.mget([keys.heartbeat(n) for n in names])
     return frozenset(n for n, a in zip(names, alive, strict=True) if a is not None)
 
 
-def learner_records(r: redis.Redis, keys: RunKeys) -> dict[str, dict]:
-    return {_s(k): json.loads(v) for k, v in r.hgetall(keys.learners).items()}
+def learner_records(r: redis.Redis, keys: RunKeys) -> dict[str, Heartbeat]:
+    """Each learner's last heartbeat (a malformed record is left out, and logged)."""
+    return _decoded(r.hgetall(keys.learners), Heartbeat, "heartbeat")
+
+
+def _decoded(raw: dict, cls, what: str) -> dict:
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[as_text(k)] = cls.from_json(v, f"{what} of {as_text(k)!r}")
+        except DecodeError as e:
+            log.warning("ignored: %s", e)
+    return out
 
 
 def register_syncer(r: redis.Redis, keys: RunKeys, syncer: str, info: dict[str, Any]) -> None:
@@ -88,7 +113,7 @@ def register_syncer(r: redis.Redis, keys: RunKeys, syncer: str, info: dict[str, 
 
 
 def syncer_records(r: redis.Redis, keys: RunKeys) -> dict[str, dict]:
-    return {_s(k): json.loads(v) for k, v in r.hgetall(keys.syncers).items()}
+    return {as_text(k): json.loads(v) for k, v in r.hgetall(keys.syncers).items()}
 
 
 def endpoints(r: redis.Redis, keys: RunKeys) -> list[str]:
@@ -106,12 +131,58 @@ def event(r: redis.Redis, keys: RunKeys, kind: str, pipe: redis.client.Pipeline 
     (pipe or r).xadd(keys.events, data, maxlen=EVENTS_MAX, approximate=True)
 
 
-def mark_done(r: redis.Redis, keys: RunKeys, learner: str, report: dict[str, Any]) -> None:
-    r.hset(keys.done, learner, json.dumps(report))
+# The ``:done`` hash: field ``<learner>`` → FinalPushes, ``final:<learner>`` → LearnerFinal,
+# ``syncer:<syncer>`` → SyncerFinal.
+_FINAL, _SYNCER = "final:", "syncer:"
 
 
-def done_reports(r: redis.Redis, keys: RunKeys) -> dict[str, dict]:
-    return {_s(k): json.loads(v) for k, v in r.hgetall(keys.done).items()}
+def mark_final_pushes(r: redis.Redis, keys: RunKeys, learner: str, rep: FinalPushes) -> None:
+    """A learner finished training and pushed its final contributions."""
+    r.hset(keys.done, learner, rep.to_json())
+
+
+def mark_learner_final(r: redis.Redis, keys: RunKeys, learner: str, rep: LearnerFinal) -> None:
+    """A learner's end-of-run report (it adopted the final values)."""
+    r.hset(keys.done, _FINAL + learner, rep.to_json())
+
+
+def mark_syncer_final(r: redis.Redis, keys: RunKeys, syncer: str, rep: SyncerFinal) -> None:
+    """A syncer closed the final rounds of its fragments."""
+    r.hset(keys.done, _SYNCER + syncer, rep.to_json())
+
+
+def _done(r: redis.Redis, keys: RunKeys) -> tuple[dict, dict, dict]:
+    pushes, finals, syncers = {}, {}, {}
+    for k, v in r.hgetall(keys.done).items():
+        k = as_text(k)
+        if k.startswith(_FINAL):
+            finals[k[len(_FINAL):]] = v
+        elif k.startswith(_SYNCER):
+            syncers[k[len(_SYNCER):]] = v
+        else:
+            pushes[k] = v
+    return pushes, finals, syncers
+
+
+def done_names(r: redis.Redis, keys: RunKeys) -> list[str]:
+    """The reports in the ``:done`` hash by their field names, sorted (as `status` lists them:
+    ``L0`` pushed its final contributions, ``final:L0`` finished, ``syncer:S`` closed)."""
+    return sorted(as_text(k) for k in r.hkeys(keys.done))
+
+
+def final_pushes(r: redis.Redis, keys: RunKeys) -> dict[str, FinalPushes]:
+    """Learners that finished training → the fragments they pushed final contributions for."""
+    return _decoded(_done(r, keys)[0], FinalPushes, "final pushes")
+
+
+def learner_final_reports(r: redis.Redis, keys: RunKeys) -> dict[str, LearnerFinal]:
+    """Learners' end-of-run reports, by learner."""
+    return _decoded(_done(r, keys)[1], LearnerFinal, "final report")
+
+
+def syncer_final_reports(r: redis.Redis, keys: RunKeys) -> dict[str, SyncerFinal]:
+    """Syncers' final versions, by syncer."""
+    return _decoded(_done(r, keys)[2], SyncerFinal, "syncer report")
 
 
 def request_stop(r: redis.Redis, keys: RunKeys) -> None:

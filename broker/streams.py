@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.errors import BrokerError
+from broker.ids import as_text, id_key
 from broker.keys import GROUP, RunKeys
 
 Fields = dict[bytes, bytes]
@@ -42,16 +43,6 @@ class Entry:
     fields: Fields
 
 
-def _id(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def id_key(entry_id: str) -> tuple[int, int]:
-    """Stream ids compare numerically ("5-10" comes after "5-9")."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class FragmentStreams:
     """Redis stream operations of one run's fragments."""
 
@@ -65,7 +56,7 @@ class FragmentStreams:
 
     def push(self, p: int, fields: Mapping[str, bytes | str | int]) -> str:
         """XADD one contribution (bounded retention); returns the entry id."""
-        return _id(self.r.xadd(self.keys.fragment(p).frags, dict(fields),
+        return as_text(self.r.xadd(self.keys.fragment(p).frags, dict(fields),
                                maxlen=self.max_entries, approximate=True))
 
     def read_global(self, p: int) -> bytes | None:
@@ -110,7 +101,7 @@ class FragmentStreams:
         rows = self.r.xpending_range(self.keys.fragment(p).frags, GROUP,
                                      min=min(ids, key=id_key), max=max(ids, key=id_key),
                                      count=len(ids) + 1000)
-        return {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        return {as_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
     def autoclaim(self, consumer: str, p: int, min_idle_ms: int,
                   count: int = 100) -> tuple[list[Entry], list[str]]:
@@ -124,10 +115,10 @@ class FragmentStreams:
         while True:
             reply = self.r.xautoclaim(key, GROUP, consumer, min_idle_ms, start_id=start,
                                       count=count)
-            start, claimed = _id(reply[0]), reply[1]
-            out += [Entry(p, _id(i), f) for i, f in claimed if f]
+            start, claimed = as_text(reply[0]), reply[1]
+            out += [Entry(p, as_text(i), f) for i, f in claimed if f]
             if len(reply) > 2:
-                deleted += [_id(i) for i in reply[2]]
+                deleted += [as_text(i) for i in reply[2]]
             if start == "0-0":
                 return out, deleted
 
@@ -261,7 +252,7 @@ class FragmentStreams:
     def _entries(reply, by_key: Mapping[str, int]) -> list[Entry]:
         out = []
         for key, items in reply or []:
-            p = by_key[_id(key)]
+            p = by_key[as_text(key)]
             for entry_id, fields in items:
-                out.append(Entry(p, _id(entry_id), fields or {}))
+                out.append(Entry(p, as_text(entry_id), fields or {}))
         return out

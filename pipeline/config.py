@@ -311,6 +311,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def demo_config() -> RunConfig:
+    """The no-argument demo of `diloco run`: a few minutes on a 2-core machine."""
+    return from_dict({
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
+        "data": {"max_bytes": 4_000_000},
+        "inner": {"lr": 1e-3, "warmup_steps": 30, "batch_size": 16},
+        "sync": {"fragments": 2, "sync_every": 40},
+        "learners": 3, "steps": 1500,
+    })
+
+
 def to_dict(cfg: RunConfig) -> dict:
     """Nested plain dict (TOML layout), tuples as lists."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import DataConfig
+from pipeline.config import DataConfig, RunConfig
 
 _TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".toml", ".cfg", ".json", ".html", ".c", ".h"}
 
@@ -121,3 +121,10 @@ def make_corpus(tokens: np.ndarray, learners: int, seq_len: int, eval_fraction: 
                          f"learners at seq_len {seq_len}; raise data.max_bytes")
     shards = tuple((m * per, (m + 1) * per) for m in range(learners))
     return Corpus(train=train, eval=ev, shards=shards, seq_len=seq_len, seed=seed)
+
+
+def run_corpus(cfg: RunConfig) -> Corpus:
+    """The corpus of a run: its tokens split for its learners (what every process of the run
+    builds, so the shards and the evaluation split agree everywhere)."""
+    return make_corpus(load_tokens(cfg.data), cfg.learners, cfg.model.seq_len,
+                       cfg.data.eval_fraction, cfg.seed)

@@ -27,7 +27,7 @@ from pipeline.data import Corpus
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.learner import LearnerCore, Push
 from pipeline.model import init_params, n_params, param_shapes
-from pipeline.syncer import Contribution, FragmentSyncer, RoundResult
+from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundResult
 from pipeline.train import evaluate, inner_optimizer, make_step
 
 # Per-message framing overhead used when no wire codec is injected (header + field names).
@@ -247,7 +247,7 @@ class Engine:
         ok, reason = s.offer(c, self.now)
         if ok:
             c.delta = {}  # merged into the running sums: nothing kept per contribution
-        elif reason.startswith("defer"):
+        elif reason.kind is Drop.DEFER:
             self.deferred[c.fragment].append(c)
             return
         self._decide(c.fragment)

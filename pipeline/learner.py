@@ -17,24 +17,9 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import SyncConfig
+from pipeline.contribution import Push
 from pipeline.fragments import due_fragment
 from pipeline.model import Params
-
-
-@dataclass
-class Push:
-    """A contribution to send: δ = base − θ of one fragment, quantised for the up link."""
-
-    fragment: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    payload: dict[str, quant.QTensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(quant.payload_nbytes(q) for q in self.payload.values())
 
 
 @dataclass

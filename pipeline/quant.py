@@ -29,6 +29,8 @@ arithmetic free of overflow and subnormal precision loss.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -378,3 +380,22 @@ def error_bound(x: np.ndarray, codec: str, block: int = DEFAULT_BLOCK) -> np.nda
         return np.zeros(arr.shape, dtype=np.float32)
     bound = np.abs(flat).astype(np.float64) * 2.0**-8 + _BF16_ABS_SLACK
     return bound.astype(np.float32).reshape(arr.shape)
+
+
+def tensors_hash(tensors: Mapping[str, QTensor | np.ndarray]) -> str:
+    """The SHA-256 of a fragment value: over its tensors in name order, each one's raw buffers
+    (a quantised tensor's data, then its scales; a plain array as contiguous fp32).
+
+    It identifies a published value in round records (replay verifies it) and a learner's
+    final values (learners that end identical report identical hashes).
+    """
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        if isinstance(t, QTensor):
+            h.update(np.ascontiguousarray(t.data).tobytes())
+            if t.scales is not None:
+                h.update(np.ascontiguousarray(t.scales).tobytes())
+        else:
+            h.update(np.ascontiguousarray(t, np.float32).tobytes())
+    return h.hexdigest()

@@ -8,7 +8,6 @@ restored by `from_state_dict`.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
+from pipeline.contribution import Contribution, Drop, Reason
 from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
 from pipeline.outer import (
     init_state,
@@ -30,26 +30,6 @@ from pipeline.policy import Decision, RoundPolicy, RoundView, decide
 
 
 @dataclass
-class Contribution:
-    """One push: δ = base − θ of one fragment from one learner, quantised or fp32."""
-
-    learner: str
-    fragment: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    delta: dict[str, quant.QTensor | np.ndarray]  # as received (decoded inside the merge)
-    entry_id: str = ""
-    nbytes: int = 0
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """Identity for deduplication: (learner, base_version, step)."""
-        return (self.learner, self.base_version, self.step)
-
-
-@dataclass
 class RoundResult:
     """Everything a closed round produced; the I/O layer commits it atomically."""
 
@@ -59,7 +39,7 @@ class RoundResult:
     sent: dict[str, quant.QTensor]        # what learners receive (down-link codec)
     sent_hash: str
     included: list[tuple[str, str, float, int]]  # (entry_id, learner, weight, staleness)
-    dropped: list[tuple[str, str]]        # (entry_id, reason)
+    dropped: list[tuple[str, Reason]]     # (entry_id, reason)
     reason: str
     first_arrival_s: float
     quorum_s: float
@@ -75,21 +55,11 @@ class _Round:
     contributors: dict[str, Contribution] = field(default_factory=dict)
     first_arrival_s: float | None = None
     quorum_reached_s: float | None = None
-    dropped: list[tuple[str, str]] = field(default_factory=list)
+    dropped: list[tuple[str, Reason]] = field(default_factory=list)
     included: list[tuple[str, str, float, int]] = field(default_factory=list)
     tokens: int = 0
     steps: int = 0
     anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
-
-
-def sent_hash(sent: Mapping[str, quant.QTensor]) -> str:
-    """sha256 over the down-link tensors' bytes in name order (what replay verifies)."""
-    h = hashlib.sha256()
-    for k in sorted(sent):
-        h.update(np.ascontiguousarray(sent[k].data).tobytes())
-        if sent[k].scales is not None:
-            h.update(np.ascontiguousarray(sent[k].scales).tobytes())
-    return h.hexdigest()
 
 
 def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int
@@ -143,28 +113,32 @@ class FragmentSyncer:
     def offer(self, c: Contribution, now_s: float) -> tuple[bool, str]:
         """Accumulate a contribution into the open round, or say why not.
 
-        Returns ``(accepted, reason)``. A refused contribution is either a duplicate (seen
-        before: not recorded), already represented in this round ("defer": retry after close),
-        or dropped (recorded in the next round record with its reason).
+        Returns ``(accepted, reason)``: ``"accepted"``, or a :class:`Reason` whose ``kind`` is a
+        duplicate (seen before: not recorded until :meth:`note_duplicate`), already represented
+        in this round (``Drop.DEFER``: offer it again after the close), or a drop (recorded in
+        the next round record with its reason).
         """
         if c.key in self.seen:
-            return False, "duplicate"
+            return False, Reason(Drop.DUPLICATE)
         if self.waits_for_next_round(c.learner, c.key):
-            return False, "defer: learner already contributed to the open round"
+            return False, Reason(Drop.DEFER, "defer: learner already contributed to the open "
+                                 "round")
         staleness = self.version - c.base_version
-        reason = ""
+        reason = None
         if c.base_version not in self.history and 0 <= staleness <= self.sync_cfg.max_staleness:
-            reason = f"base version {c.base_version} no longer held"
+            reason = Reason(Drop.UNANCHORED, f"base version {c.base_version} no longer held")
         if staleness > self.sync_cfg.max_staleness:
-            reason = (f"stale: base version {c.base_version}, global version {self.version}, "
-                      f"max_staleness {self.sync_cfg.max_staleness}")
+            reason = Reason(Drop.STALE, f"stale: base version {c.base_version}, global version "
+                            f"{self.version}, max_staleness {self.sync_cfg.max_staleness}")
         elif staleness < 0:
-            reason = f"base version {c.base_version} is ahead of global version {self.version}"
+            reason = Reason(Drop.AHEAD, f"base version {c.base_version} is ahead of global "
+                            f"version {self.version}")
         elif c.steps <= 0 or c.tokens <= 0:
-            reason = f"empty contribution (steps {c.steps}, tokens {c.tokens})"
+            reason = Reason(Drop.EMPTY, f"empty contribution (steps {c.steps}, tokens "
+                            f"{c.tokens})")
         elif set(c.delta) != set(self.shapes) or any(
                 c.delta[k].shape != s for k, s in self.shapes.items()):
-            reason = "tensors do not match the fragment's names and shapes"
+            reason = Reason(Drop.SHAPE, "tensors do not match the fragment's names and shapes")
         self.seen.add(c.key)
         if reason:
             return self._drop(c, reason)
@@ -176,9 +150,9 @@ class FragmentSyncer:
         try:
             self._round.merge.add(c.delta, weight, anchor, anchor_id=c.base_version)
         except NonFiniteContribution:
-            return self._drop(c, "non-finite values in the contribution")
+            return self._drop(c, Reason(Drop.NON_FINITE, "non-finite values in the contribution"))
         except ValueError as err:  # an internally inconsistent quantised tensor
-            return self._drop(c, f"malformed tensors: {err}")
+            return self._drop(c, Reason(Drop.MALFORMED, f"malformed tensors: {err}"))
         r = self._round
         r.contributors[c.learner] = c
         r.included.append((c.entry_id, c.learner, weight, staleness))
@@ -195,9 +169,14 @@ class FragmentSyncer:
         round: it is offered again after the close."""
         return key not in self.seen and learner in self._round.contributors
 
-    def _drop(self, c: Contribution, reason: str) -> tuple[bool, str]:
+    def _drop(self, c: Contribution, reason: Reason) -> tuple[bool, Reason]:
         self._round.dropped.append((c.entry_id, reason))
         return False, reason
+
+    def note_duplicate(self, entry_id: str) -> None:
+        """Record a refused duplicate in the next round record (the I/O layer acknowledges
+        it with that round's commit, so the record accounts for the entry)."""
+        self._round.dropped.append((entry_id, Reason(Drop.DUPLICATE)))
 
     def view(self, live: frozenset[str]) -> RoundView:
         r = self._round
@@ -212,8 +191,9 @@ class FragmentSyncer:
         return decide(now_s, self.view(live), live, self.policy, step_time_s, self.sync_time_s)
 
     @property
-    def pending_drops(self) -> list[tuple[str, str]]:
-        return self._round.dropped
+    def pending_drops(self) -> list[tuple[str, Reason]]:
+        """The refusals the next round record will list (a copy)."""
+        return list(self._round.dropped)
 
     def round_share(self, live_learners: int) -> float:
         """How much of an outer step the open round takes (`sync.round_step`).
@@ -250,7 +230,7 @@ class FragmentSyncer:
         self.seen = {k for k in self.seen if k[1] >= oldest}
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
-            sent_hash=sent_hash(self.sent), included=r.included, dropped=r.dropped,
+            sent_hash=quant.tensors_hash(self.sent), included=r.included, dropped=r.dropped,
             reason=reason,
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
@@ -259,7 +239,7 @@ class FragmentSyncer:
         self._round = self._new_round()
         return result
 
-    def take_drops(self) -> list[tuple[str, str]]:
+    def take_drops(self) -> list[tuple[str, Reason]]:
         """Drops recorded while no round is open with contributions (flushed by the caller)."""
         drops, self._round.dropped = self._round.dropped, []
         return drops

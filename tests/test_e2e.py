@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from ops.cli.common import make_corpus
 from ops.cluster.artifacts import load_checkpoint
 from pipeline import config as cfgmod
+from pipeline.data import run_corpus
 from pipeline.engine import Engine
 
 TINY = {
@@ -61,7 +61,7 @@ def test_distributed_equals_inprocess_engine(tmp_path, redis_url):
     s = diloco("run", "--config", str(tmp_path / "eq.toml"), "--redis-url", redis_url,
                "--run", "eq", "--out", str(tmp_path / "runs"), "--json")
     dist, _ = load_checkpoint(tmp_path / "runs" / "eq" / "checkpoint.npz")
-    engine = Engine(cfg, make_corpus(cfg))
+    engine = Engine(cfg, run_corpus(cfg))
     summary = engine.run()
     assert summary["rounds"] == s["rounds"]
     for k, v in engine.final_params.items():

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ops.cli.common import make_corpus
 from pipeline import config as cfgmod
+from pipeline.data import run_corpus
 from pipeline.engine import Engine
 
 GOLDEN = Path(__file__).parent / "golden" / "engine_tiny.json"
@@ -36,7 +36,7 @@ def run(**over) -> tuple[dict, Engine]:
         else:
             raw[key] = value
     cfg = cfgmod.from_dict(raw)
-    eng = Engine(cfg, make_corpus(cfg))
+    eng = Engine(cfg, run_corpus(cfg))
     return eng.run(), eng
 
 

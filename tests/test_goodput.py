@@ -1,4 +1,5 @@
-"""Tests of the goodput simulator (ops/sim/simulator.py) and `diloco goodput` (ops/sim/scenarios.py)."""
+"""Tests of the goodput simulator (ops/sim/simulator.py) and `diloco goodput`
+(ops/cli/goodput.py)."""
 
 from __future__ import annotations
 

@@ -102,9 +102,8 @@ def test_status_inspect_and_metrics_during_a_run(tmp_path, redis_url):
         registry.request_finish(r, keys)  # end training early: flush, final rounds, exit
         for p in procs:
             assert p.wait(120) == 0
-        finals = {k: v for k, v in registry.done_reports(r, keys).items()
-                  if k.startswith("final:")}
-        assert len({json.dumps(v["hashes"], sort_keys=True) for v in finals.values()}) == 1
+        finals = registry.learner_final_reports(r, keys)
+        assert len({json.dumps(v.hashes, sort_keys=True) for v in finals.values()}) == 1
     finally:
         for p in procs:
             if p.poll() is None:

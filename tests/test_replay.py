@@ -7,7 +7,6 @@ so tests can delete or alter entries without affecting each other.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -24,7 +23,6 @@ from broker.archive import ArchiveError, archive_below, archive_entries, load_ar
 from broker.keys import RunKeys
 from ops import cli
 from ops.cluster.redis_server import RedisServer
-from ops.tools import replay as replay_mod
 from pipeline import config as cfgmod
 from pipeline import quant
 
@@ -88,13 +86,8 @@ def n_fragments(r: redis.Redis) -> int:
 
 
 def diloco(*argv: str) -> int:
-    """`diloco ...` in-process (the replay subcommand through ops.cli once it is wired)."""
-    if "ops.tools.replay" in cli._TOOL_MODULES:
-        return cli.main(list(argv))
-    parser = argparse.ArgumentParser(prog="diloco")
-    replay_mod.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+    """`diloco ...` in-process."""
+    return cli.main(list(argv))
 
 
 def replay_json(capsys, url: str, run: str, *extra: str) -> tuple[int, dict]:

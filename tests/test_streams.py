@@ -22,6 +22,7 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
+from broker.records import Heartbeat
 from broker.streams import FragmentStreams, LeaseLost
 from pipeline import config as cfgmod
 
@@ -321,15 +322,15 @@ def test_load_config_of_an_unknown_run_names_it(r):
 
 def test_live_learners_follow_heartbeat_ttl(r, keys):
     assert registry.live_learners(r, keys) == frozenset()
-    registry.heartbeat(r, keys, "L0", {"step": 1}, ttl_s=0.2)
-    registry.heartbeat(r, keys, "L1", {"step": 1}, ttl_s=60.0)
+    registry.heartbeat(r, keys, "L0", Heartbeat(step=1), ttl_s=0.2)
+    registry.heartbeat(r, keys, "L1", Heartbeat(step=1), ttl_s=60.0)
     assert registry.live_learners(r, keys) == {"L0", "L1"}
     wait_for(lambda: registry.live_learners(r, keys) == {"L1"}, timeout_s=5,
              what="L0's heartbeat to expire")
     assert set(registry.learner_records(r, keys)) == {"L0", "L1"}  # records stay
-    registry.heartbeat(r, keys, "L0", {"step": 2}, ttl_s=60.0)  # rejoin
+    registry.heartbeat(r, keys, "L0", Heartbeat(step=2), ttl_s=60.0)  # rejoin
     assert registry.live_learners(r, keys) == {"L0", "L1"}
-    assert registry.learner_records(r, keys)["L0"]["step"] == 2
+    assert registry.learner_records(r, keys)["L0"].step == 2
     registry.leave(r, keys, "L1")
     assert registry.live_learners(r, keys) == {"L0"}
 

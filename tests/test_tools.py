@@ -7,7 +7,6 @@ test adds entries to the streams (unread, pending, dead-lettered), so it runs la
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ import redis
 from test_e2e import TINY
 
 from broker.keys import GROUP, RunKeys
+from ops.cli import main
 from ops.cluster.artifacts import load_checkpoint
 from ops.cluster.redis_server import RedisServer
 from ops.tools import checkpoint as tools
@@ -69,12 +69,7 @@ def finished(tmp_path_factory) -> FinishedRun:
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
     """Run one subcommand in-process; (exit code, stdout, stderr)."""
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers()
-    for module in (inspect_cmd, tools, plots):
-        module.register(sub)
-    args = p.parse_args(list(argv))
-    code = args.func(args)
+    code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

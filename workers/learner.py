@@ -8,7 +8,6 @@ thread (`workers.learner_net`). The loop never blocks on the network, except in 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -27,7 +26,8 @@ import zmq
 
 from broker import codec, registry
 from broker.errors import BrokerError
-from pipeline import data
+from broker.records import FinalPushes, Heartbeat, LearnerFinal
+from pipeline import data, quant
 from pipeline.learner import LearnerCore, Push
 from pipeline.train import inner_optimizer, make_step
 from workers.common import RunContext, enable_compile_cache, open_run, read_snapshot
@@ -56,13 +56,6 @@ class LearnerConfig:
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
 
 
-def fragment_hash(values: dict[str, np.ndarray], names: list[str]) -> str:
-    h = hashlib.sha256()
-    for n in names:
-        h.update(np.ascontiguousarray(values[n], np.float32).tobytes())
-    return h.hexdigest()
-
-
 class Learner:
     def __init__(self, cfg: LearnerConfig, ctx: RunContext, zctx: zmq.Context):
         self.cfg = cfg
@@ -89,13 +82,21 @@ class Learner:
         self.step_s = 0.0
         self.step = 0
         self.tokens_done = 0
+        self.tokens = 0
+        self.train_s = 0.0
+        self.steady_steps_per_s = 0.0
+        self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
+        self.params: dict | None = None
+        self._prior: Heartbeat | None = None
+        self._joined: tuple[list[int], dict[str, np.ndarray]] | None = None
+        self._push_time: dict[int, float] = {}
 
     def _join(self) -> None:
         """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
         # the last heartbeat of a previous incarnation, read before ours overwrites it
         self._prior = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
         if self._prior:
-            self.net.info = {k: self._prior[k] for k in ("step", "tokens") if k in self._prior}
+            self.net.report(step=self._prior.step, tokens=self._prior.tokens)
         self.net.start()
         values: dict[str, np.ndarray] = {}
         versions = []
@@ -110,7 +111,7 @@ class Learner:
                 snap = read_snapshot(self.ctx, p)
             versions.append(snap[0])
             values.update(snap[1])
-            self.net._last_version[p] = snap[0]
+            self.net.joined_at(p, snap[0])
         self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
         self.params = {k: jnp.asarray(values[k]) for k in self.ctx.shapes}
         self._joined = (versions, values)
@@ -132,12 +133,9 @@ class Learner:
             return n
 
     def _send(self, push: Push, final: bool = False) -> None:
-        fields = codec.entry_fields(codec.EntryMeta(
-            self.id, push.fragment, push.base_version, push.step, push.steps, push.tokens,
-            self.sync.codec_up), push.payload)
-        fields["seconds"] = f"{self.secs[push.fragment]:.6f}"
-        fields["final"] = "1" if final else "0"
-        self.net.push(push.fragment, fields)
+        meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
+                                       seconds=self.secs[push.fragment], final=final)
+        self.net.push(push.fragment, codec.entry_fields(meta, push.payload))
 
     def _wait_until_unblocked(self) -> None:
         """Blocking modes: wait for the merged value (repairing from the snapshot on timeout)."""
@@ -160,12 +158,10 @@ class Learner:
     def train(self) -> None:
         cfg, run_cfg = self.cfg, self.run_cfg
         self._join()
-        corpus = data.make_corpus(data.load_tokens(run_cfg.data), run_cfg.learners,
-                                  run_cfg.model.seq_len, run_cfg.data.eval_fraction, run_cfg.seed)
+        corpus = data.run_corpus(run_cfg)
         opt = inner_optimizer(run_cfg.inner, run_cfg.steps)
         step_fn = make_step(run_cfg.model, opt)
         opt_state = opt.init(self.params)
-        self._push_time: dict[int, float] = {}
         self.step, tokens, opt_state = self._resume(opt_state)
         every = cfg.checkpoint_every or self.sync.delta_h
         t_rate, tok_rate = time.monotonic(), 0
@@ -203,10 +199,10 @@ class Learner:
             if now - t_rate >= 1.0:
                 tps = (tokens - tok_rate) / (now - t_rate)
                 t_rate, tok_rate = now, tokens
-                self.net.info = {"step": self.step, "tokens": tokens, "tokens_per_s": tps,
-                                 "step_s": self.step_s, "versions": self.core.base_version,
-                                 "loss": float(metrics["loss"]), "pid": os.getpid(),
-                                 "host": socket.gethostname(), "shard": self.shard}
+                self.net.report(step=self.step, tokens=tokens, tokens_per_s=tps,
+                                step_s=self.step_s, versions=list(self.core.base_version),
+                                loss=float(metrics["loss"]), pid=os.getpid(),
+                                host=socket.gethostname(), shard=self.shard)
             if self.state_dir is not None and self.step % every == 0:
                 self._checkpoint(opt_state, tokens)
             if cfg.fail_at_step and self.step == cfg.fail_at_step:
@@ -256,10 +252,10 @@ class Learner:
                                    step=step, source="checkpoint", progress=int(progress))
                     return step, tokens, jax.tree_util.tree_unflatten(treedef, leaves)
         rec = self._prior
-        if rec and rec.get("step"):
+        if rec and rec.step:
             registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
-                           step=rec["step"], source="heartbeat")
-            return int(rec["step"]), int(rec.get("tokens", 0)), opt_state
+                           step=rec.step, source="heartbeat")
+            return int(rec.step), int(rec.tokens), opt_state
         return 0, 0, opt_state
 
     def _restore_progress(self, z) -> bool:
@@ -313,7 +309,7 @@ class Learner:
             if self.core.steps[p] == 0:
                 self.secs[p] = 0.0
 
-    def finish(self) -> dict:
+    def finish(self) -> LearnerFinal:
         """Final flush: apply answers, push remaining progress, adopt the final global values."""
         deadline = time.monotonic() + self.cfg.final_timeout_s
         final: list[Push] = []
@@ -332,9 +328,8 @@ class Learner:
                 self._send(push, final=True)
             if not self.net.wait_flushed(self.cfg.final_timeout_s):
                 raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
-        registry.mark_done(self.ctx.r, self.ctx.keys, self.id, {
-            "final": [p.fragment for p in final],
-            "steps": self.step, "tokens": self.tokens})
+        registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, FinalPushes(
+            final=[p.fragment for p in final], steps=self.step, tokens=self.tokens))
         hashes = {}
         if self.cfg.sync:
             versions = self._wait_final_versions(deadline)
@@ -347,17 +342,16 @@ class Learner:
                         self.net.request_snapshot(p)
             self.params = self.core.apply_due(10**12, self.params)
             values = {k: np.asarray(v) for k, v in self.params.items()}
-            hashes = {str(p): fragment_hash(values, names)
+            hashes = {str(p): quant.tensors_hash({n: values[n] for n in names})
                       for p, names in enumerate(self.ctx.fragments)}
         s = self.net.stats
-        report = {"hashes": hashes, "versions": list(self.core.base_version),
-                  "steps": self.step, "tokens": self.tokens, "bytes_sent": s.bytes_sent,
-                  "bytes_received": s.snapshot_bytes + self.net.sub.received_bytes,
-                  "pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
-                  "zmq_gaps": s.zmq_gaps, "snapshots_read": s.snapshots_read,
-                  "step_s": self.step_s, "train_s": self.train_s,
-                  "steps_per_s": self.steady_steps_per_s}
-        registry.mark_done(self.ctx.r, self.ctx.keys, f"final:{self.id}", report)
+        report = LearnerFinal(
+            hashes=hashes, versions=list(self.core.base_version), steps=self.step,
+            tokens=self.tokens, bytes_sent=s.bytes_sent, bytes_received=self.net.bytes_received,
+            pushes_attempted=s.pushes_attempted, pushes_acked=s.pushes_acked,
+            zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read, step_s=self.step_s,
+            train_s=self.train_s, steps_per_s=self.steady_steps_per_s)
+        registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
         return report
 
@@ -365,11 +359,9 @@ class Learner:
         """Fragment → final version, once the syncers have closed every final round."""
         n = len(self.ctx.fragments)
         while True:
-            done = registry.done_reports(self.ctx.r, self.ctx.keys)
             versions: dict[int, int] = {}
-            for k, rep in done.items():
-                if k.startswith("syncer:"):
-                    versions.update({int(p): int(v) for p, v in rep["versions"].items()})
+            for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
+                versions.update({int(p): int(v) for p, v in rep.versions.items()})
             if len(versions) >= n:
                 return versions
             if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ import zmq
 from broker import codec, registry
 from broker.errors import DecodeError
 from broker.pubsub import Subscriber
+from broker.records import Heartbeat
 from broker.streams import FragmentStreams
 from workers.common import RunContext, decode_values
 
@@ -44,7 +45,6 @@ class NetStats:
     pushes_acked: int = 0
     push_errors: int = 0
     bytes_sent: int = 0
-    bytes_received: int = 0  # ZeroMQ frames + snapshot reads
     snapshot_bytes: int = 0
     snapshots_read: int = 0
     repushed: int = 0
@@ -67,7 +67,7 @@ class LearnerNet(threading.Thread):
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
         self.snapshot_requests: queue.Queue = queue.Queue()
-        self.info: dict = {}
+        self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
         self.stats = NetStats()
         self.stop_event = threading.Event()
         self.stop_seen = False
@@ -89,6 +89,20 @@ class LearnerNet(threading.Thread):
                 "base_version": int(fields["base_version"]), "step": int(fields["step"]),
                 "t": time.time()}) + "\n")
         self.outbox.put((fragment, fields))
+
+    def report(self, **progress) -> None:
+        """The training loop's latest figures (step, tokens, loss…) for the next heartbeat."""
+        self.progress = progress
+
+    def joined_at(self, fragment: int, version: int) -> None:
+        """The learner started from `version` of `fragment` (read from its snapshot): an
+        older value arriving later is not delivered."""
+        self._last_version[fragment] = max(version, self._last_version.get(fragment, -1))
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received: ZeroMQ frames of merged values plus snapshot reads."""
+        return self.stats.snapshot_bytes + self.sub.received_bytes
 
     def request_snapshot(self, fragment: int) -> None:
         self.snapshot_requests.put(fragment)
@@ -119,8 +133,8 @@ class LearnerNet(threading.Thread):
                     self.finish_seen = registry.finish_requested(self.ctx.r, self.ctx.keys)
                     next_ep = now + 1.0
                 if now >= next_hb:
-                    registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, {
-                        **self.info, **self._stats_info()}, self.bcfg.heartbeat_ttl_s)
+                    registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, Heartbeat(
+                        **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s)
                     next_hb = now + self.bcfg.heartbeat_s
                 self._send_pushes()
                 self._serve_snapshots()
@@ -142,7 +156,7 @@ class LearnerNet(threading.Thread):
     def _stats_info(self) -> dict:
         s = self.stats
         return {"pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
-                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "bytes_sent": s.bytes_sent, "bytes_received": self.bytes_received,
                 "snapshots_read": s.snapshots_read}
 
     def _send_pushes(self) -> None:
@@ -209,7 +223,6 @@ class LearnerNet(threading.Thread):
 
     def _receive(self, timeout_ms: int) -> None:
         msg = self.sub.recv(timeout_ms)
-        self.stats.bytes_received = self.stats.snapshot_bytes + self.sub.received_bytes
         if msg is None:
             return
         header, tensors = msg

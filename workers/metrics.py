@@ -45,8 +45,8 @@ def serve(port: int, prefix: str, spec: Spec, label: str = "fragment",
 def learner_spec(learner) -> Spec:
     s = learner.net.stats
     return {
-        "steps": ("counter", "inner steps done", lambda: getattr(learner, "step", 0)),
-        "tokens": ("counter", "tokens trained on", lambda: getattr(learner, "tokens_done", 0)),
+        "steps": ("counter", "inner steps done", lambda: learner.step),
+        "tokens": ("counter", "tokens trained on", lambda: learner.tokens_done),
         "pushes_attempted": ("counter", "pushes handed to the network thread",
                              lambda: s.pushes_attempted),
         "pushes_acked": ("counter", "pushes Redis acknowledged (XADD returned)",
@@ -54,32 +54,31 @@ def learner_spec(learner) -> Spec:
         "repushed": ("counter", "pushes re-sent after Redis lost them", lambda: s.repushed),
         "bytes_sent": ("counter", "stream entry bytes sent", lambda: s.bytes_sent),
         "bytes_received": ("counter", "ZeroMQ and snapshot bytes received",
-                           lambda: s.snapshot_bytes + learner.net.sub.received_bytes),
+                           lambda: learner.net.bytes_received),
         "snapshots_read": ("counter", "snapshot repairs from Redis", lambda: s.snapshots_read),
         "zmq_gaps": ("counter", "merged values missed on ZeroMQ (version gaps)",
                      lambda: s.zmq_gaps),
         "redis_down_seconds": ("counter", "time Redis was unreachable", lambda: s.redis_down_s),
         "step_seconds": ("gauge", "recent inner step time", lambda: learner.step_s),
-        "fragment_version": ("gauge", "version of each fragment's base", lambda: {
-            p: v for p, v in enumerate(getattr(getattr(learner, "core", None), "base_version",
-                                               []))}),
+        "fragment_version": ("gauge", "version of each fragment's base", lambda: dict(
+            enumerate(learner.core.base_version if learner.core is not None else []))),
     }
 
 
 def syncer_spec(syncer) -> Spec:
     return {
-        "rounds": ("counter", "rounds committed", lambda: syncer.rounds),
-        "merged": ("counter", "contributions merged", lambda: syncer.merged),
+        "rounds": ("counter", "rounds committed", lambda: syncer.stats.rounds),
+        "merged": ("counter", "contributions merged", lambda: syncer.stats.merged),
         "dropped": ("counter", "contributions refused (stale, duplicate, invalid)",
-                    lambda: syncer.dropped),
-        "duplicated": ("counter", "duplicate pushes recognised", lambda: syncer.duplicated),
+                    lambda: syncer.stats.dropped),
+        "duplicated": ("counter", "duplicate pushes recognised", lambda: syncer.stats.duplicated),
         "dead_lettered": ("counter", "entries moved to a dead-letter stream",
-                          lambda: syncer.dead_lettered),
-        "lost": ("counter", "pending entries deleted before merging", lambda: syncer.lost),
+                          lambda: syncer.stats.dead_lettered),
+        "lost": ("counter", "pending entries deleted before merging", lambda: syncer.stats.lost),
         "quorum_wait_seconds": ("gauge", "last round: first arrival to quorum",
-                                lambda: syncer.quorum_wait_s),
+                                lambda: syncer.stats.quorum_wait_s),
         "grace_wait_seconds": ("gauge", "last round: quorum to close",
-                               lambda: syncer.grace_wait_s),
+                               lambda: syncer.stats.grace_wait_s),
         "live_learners": ("gauge", "learners with a fresh heartbeat", lambda: len(syncer.live)),
         "fragment_version": ("gauge", "global version of each owned fragment",
                              lambda: {p: f.core.version for p, f in syncer.frags.items()}),

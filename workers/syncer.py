@@ -24,17 +24,36 @@ import redis
 import zmq
 
 from broker import archive, codec, registry
+from broker.codec import EntryMeta
 from broker.errors import DecodeError
+from broker.ids import id_key
 from broker.pubsub import Publisher
+from broker.records import Drop, Included, RoundRecord, SyncerFinal
 from broker.state import pack_state, unpack_state
-from broker.streams import Entry, FragmentStreams, LeaseLost, id_key
+from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
 from pipeline.model import init_params
-from pipeline.syncer import Contribution, FragmentSyncer, RoundResult
+from pipeline.syncer import FragmentSyncer, RoundResult
 from workers import native
 from workers.common import RunContext, decode_values, open_run
 
 log = logging.getLogger("diloco.syncer")
+
+
+@dataclass(frozen=True)
+class CommitFaults:
+    """Fault injection, for the chaos harness and the recovery tests only: exit abruptly at
+    the N-th round commit (1-based) of this process, before the commit (the round merged but
+    not committed: exit code 17) or after it (committed, not yet published: 18). 0: never."""
+
+    before_commit: int = 0
+    after_commit: int = 0
+
+    def at(self, stage: str, commit: int) -> None:
+        """Called with "before" and "after" around every commit."""
+        n, code = (self.before_commit, 17) if stage == "before" else (self.after_commit, 18)
+        if n and commit == n:
+            os._exit(code)
 
 
 @dataclass(frozen=True)
@@ -49,17 +68,30 @@ class SyncerConfig:
     advertise_host: str | None = None        # host learners connect to (default: bind host)
     max_rounds: int = 0                      # stop after this many rounds (0: until run ends)
     wait_config_s: float = 60.0
-    # Fault injection (chaos tests): exit abruptly at the N-th commit (1-based), before the
-    # commit or after it (before publishing). 0: never.
-    fail_before_commit: int = 0
-    fail_after_commit: int = 0
     metrics_port: int = 0                    # Prometheus text endpoint (0: off)
+    faults: CommitFaults = CommitFaults()
+
+
+@dataclass
+class SyncerStats:
+    """The syncer's counters (its registry record, status and metrics read them)."""
+
+    rounds: int = 0          # rounds committed and published
+    commits: int = 0         # rounds merged (the fault seam counts these)
+    merged: int = 0          # contributions merged
+    dropped: int = 0         # contributions refused (stale, duplicate, invalid)
+    duplicated: int = 0      # duplicate pushes recognised
+    dead_lettered: int = 0   # entries moved to a dead-letter stream
+    lost: int = 0            # pending entries deleted before merging
+    quorum_wait_s: float = 0.0   # last round: first arrival to quorum
+    grace_wait_s: float = 0.0    # last round: quorum to close
+    last_reason: str = ""        # last round: why it closed
 
 
 @dataclass
 class _Frag:
     core: FragmentSyncer
-    entries: dict[str, Entry] = field(default_factory=dict)       # entry id → open-round entry
+    entries: dict[str, EntryMeta] = field(default_factory=dict)   # entry id → open-round entry
     ack_extra: list[str] = field(default_factory=list)            # duplicates/drops to ack
     deferred: list[Entry] = field(default_factory=list)
     final_seen: set[str] = field(default_factory=set)
@@ -95,19 +127,10 @@ class Syncer:
         self.frags: dict[int, _Frag] = {}
         self.live: frozenset[str] = frozenset()
         self.step_time_s = 1.0
-        self.rounds = 0
-        self.commits = 0
-        self.last_reason = ""
+        self.stats = SyncerStats()
         self._next_live = 0.0
         self._next_lease = 0.0
         self._next_claim = 0.0
-        self.merged = 0
-        self.dropped = 0
-        self.dead_lettered = 0
-        self.duplicated = 0
-        self.lost = 0
-        self.quorum_wait_s = 0.0
-        self.grace_wait_s = 0.0
         self._hasher: ThreadPoolExecutor | None = None
 
     # -- start -----------------------------------------------------------------------------------
@@ -170,12 +193,13 @@ class Syncer:
         return codec.pack_snapshot(self.ctx.keys.run, core.fragment, core.version, core.sent)
 
     def _info(self) -> dict:
+        st = self.stats
         return {"endpoint": self.pub.endpoint, "fragments": self.owned, "pid": os.getpid(),
-                "host": socket.gethostname(), "rounds": self.rounds,
+                "host": socket.gethostname(), "rounds": st.rounds,
                 "versions": {str(p): f.core.version for p, f in self.frags.items()},
-                "last_reason": self.last_reason, "merged": self.merged, "dropped": self.dropped,
-                "dead_lettered": self.dead_lettered, "quorum_wait_s": self.quorum_wait_s,
-                "grace_wait_s": self.grace_wait_s, "sync_time_s": max(
+                "last_reason": st.last_reason, "merged": st.merged, "dropped": st.dropped,
+                "dead_lettered": st.dead_lettered, "quorum_wait_s": st.quorum_wait_s,
+                "grace_wait_s": st.grace_wait_s, "sync_time_s": max(
                     (f.core.sync_time_s for f in self.frags.values()), default=0.0)}
 
     # -- entries ---------------------------------------------------------------------------------
@@ -210,7 +234,7 @@ class Syncer:
     def _dead_letter(self, e: Entry, reason: str) -> None:
         log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
         self.streams.dead_letter(e.fragment, e, reason)
-        self.dead_lettered += 1
+        self.stats.dead_lettered += 1
         registry.event(self.ctx.r, self.ctx.keys, "dead-letter", fragment=e.fragment,
                        entry=e.entry_id, reason=reason)
 
@@ -229,37 +253,31 @@ class Syncer:
         except (DecodeError, ValueError) as err:
             self._dead_letter(e, f"malformed entry: {err}")
             return
-        c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step, meta.steps,
-                         meta.tokens, tensors, entry_id=e.entry_id, nbytes=int(len(
-                             e.fields.get(b"payload", b""))))
+        c = meta.contribution(tensors, entry_id=e.entry_id,
+                              nbytes=len(e.fields.get(b"payload", b"")))
         ok, reason = f.core.offer(c, time.monotonic())
-        if reason.startswith("defer"):
+        if not ok and reason.kind is Drop.DEFER:
             f.deferred.append(e)
             return
-        if e.fields.get(b"final") == b"1":
+        if meta.final:
             f.final_seen.add(meta.learner)
         if ok:
-            f.entries[e.entry_id] = e
-            e.fields = {k: v for k, v in e.fields.items() if k != b"payload"}  # keep it small
+            f.entries[e.entry_id] = meta  # the payload is merged: only the fields are kept
         else:
             # duplicates and drops are acknowledged in the next commit; drops are recorded
-            if reason == "duplicate":
-                f.core.pending_drops.append((e.entry_id, "duplicate"))
-                self.duplicated += 1
+            if reason.kind is Drop.DUPLICATE:
+                f.core.note_duplicate(e.entry_id)
+                self.stats.duplicated += 1
             f.ack_extra.append(e.entry_id)
-            self.dropped += 1
+            self.stats.dropped += 1
 
     @staticmethod
     def _defer_unparsed(f: _Frag, e: Entry) -> bool:
         """The state machine's deferral rule, judged from the plain fields before parsing: a
         learner several rounds ahead is not re-verified and re-decoded at every close. Anything
         unusual goes the normal way (parse, then the state machine decides)."""
-        try:
-            key = (e.fields[b"learner"].decode(), int(e.fields[b"base_version"]),
-                   int(e.fields[b"step"]))
-        except (KeyError, ValueError, AttributeError):
-            return False
-        return f.core.waits_for_next_round(key[0], key)
+        key = codec.peek_key(e.fields)
+        return key is not None and f.core.waits_for_next_round(key[0], key)
 
     def _claim(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -282,7 +300,7 @@ class Syncer:
             return
         log.error("fragment %d: %d pending entries were deleted before merging: %s", p,
                   len(ids), ids[:5])
-        self.lost += len(ids)
+        self.stats.lost += len(ids)
         registry.event(self.ctx.r, self.ctx.keys, "lost", fragment=p, entries=ids,
                        reason="deleted from the stream before merging (retention cap)")
         self.streams.ack_only(p, ids)
@@ -295,7 +313,7 @@ class Syncer:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
             self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
             recs = registry.learner_records(self.ctx.r, self.ctx.keys)
-            times = [recs[n].get("step_s") for n in self.live if n in recs]
+            times = [recs[n].step_s for n in self.live if n in recs]
             times = [t for t in times if t]
             if times:
                 self.step_time_s = min(times)
@@ -333,9 +351,8 @@ class Syncer:
         f = self.frags[p]
         t0 = time.monotonic()
         result = f.core.close(now, reason, f.core.round_share(len(self.live)))
-        self.commits += 1
-        if self.cfg.fail_before_commit and self.commits == self.cfg.fail_before_commit:
-            os._exit(17)  # fault injection: die with the round merged but not committed
+        self.stats.commits += 1
+        self.cfg.faults.at("before", self.stats.commits)
         record = self._record(result, t0)
         oldest = result.version - self.sync.max_staleness - 1
         snapshot = self._snapshot(f.core)
@@ -345,17 +362,16 @@ class Syncer:
         f.snapshots.pop(oldest, None)
         self.streams.commit_round(
             p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=snapshot,
-            version=result.version, record=record, ack_ids=acks,
+            version=result.version, record=record.to_fields(), ack_ids=acks,
             drop_sent_version=oldest if oldest >= 0 else None)
-        if self.cfg.fail_after_commit and self.commits == self.cfg.fail_after_commit:
-            os._exit(18)  # fault injection: committed, never published
+        self.cfg.faults.at("after", self.stats.commits)
         self._publish(p, result.version, result.sent)
         f.core.record_sync_time(time.monotonic() - t0)
-        self.rounds += 1
-        self.merged += len(result.included)
-        self.quorum_wait_s = result.quorum_s - result.first_arrival_s
-        self.grace_wait_s = max(0.0, result.closed_s - result.quorum_s)
-        self.last_reason = reason
+        st = self.stats
+        st.rounds += 1
+        st.merged += len(result.included)
+        st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
+        st.last_reason = reason
         self._trim(p, f)
         f.entries, f.ack_extra = {}, []
         log.info("fragment %d v%d: %d merged, %d dropped (%s)", p, result.version,
@@ -364,18 +380,16 @@ class Syncer:
         for e in deferred:
             self._offer(e)
 
-    def _record(self, r: RoundResult, t0: float) -> dict:
-        return {
-            "version": r.version, "fragment": r.fragment, "reason": r.reason,
-            "included": [list(x) for x in r.included], "dropped": [list(x) for x in r.dropped],
-            "hash": r.sent_hash, "tokens": r.tokens, "steps": r.steps, "scale": r.scale,
-            "seconds": [float(self.frags[r.fragment].entries[i].fields.get(b"seconds", b"0"))
-                        for i, *_ in r.included],
-            "quorum_wait_s": r.quorum_s - r.first_arrival_s,
-            "grace_wait_s": max(0.0, r.closed_s - r.quorum_s),
-            "merge_s": time.monotonic() - t0, "syncer": self.cfg.syncer_id,
-            "t": time.time(),
-        }
+    def _record(self, r: RoundResult, t0: float) -> RoundRecord:
+        entries = self.frags[r.fragment].entries
+        return RoundRecord(
+            version=r.version, fragment=r.fragment, reason=r.reason,
+            included=tuple(Included(*x) for x in r.included), dropped=tuple(r.dropped),
+            hash=r.sent_hash, tokens=r.tokens, steps=r.steps, scale=r.scale,
+            seconds=tuple(entries[i].seconds or 0.0 for i, *_ in r.included),
+            quorum_wait_s=r.quorum_s - r.first_arrival_s,
+            grace_wait_s=max(0.0, r.closed_s - r.quorum_s),
+            merge_s=time.monotonic() - t0, syncer=self.cfg.syncer_id, t=time.time())
 
     def _trim(self, p: int, f: _Frag) -> None:
         ids = list(f.entries)
@@ -408,10 +422,9 @@ class Syncer:
         entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
                                         block_ms=self.bcfg.block_ms)
         self._handle(entries)
-        done = registry.done_reports(self.ctx.r, self.ctx.keys)
-        pushed = {k: v for k, v in done.items() if not k.startswith(("syncer:", "final:"))}
+        pushed = registry.final_pushes(self.ctx.r, self.ctx.keys)
         final = len(pushed) >= self.run_cfg.learners
-        expected = {p: {n for n, rep in pushed.items() if p in rep.get("final", [])}
+        expected = {p: {n for n, rep in pushed.items() if p in rep.final}
                     for p in self.owned} if final else {}
         for p in self.owned:
             if not self.frags[p].finished:
@@ -419,7 +432,7 @@ class Syncer:
         self._claim()
         if final and self._finish(expected):
             return True
-        if self.cfg.max_rounds and self.rounds >= self.cfg.max_rounds:
+        if self.cfg.max_rounds and self.stats.rounds >= self.cfg.max_rounds:
             return True
         return registry.stop_requested(self.ctx.r, self.ctx.keys)
 
@@ -434,8 +447,8 @@ class Syncer:
         if not all(self.frags[p].finished for p in self.owned):
             return False
         versions = {str(p): self.frags[p].core.version for p in self.owned}
-        registry.mark_done(self.ctx.r, self.ctx.keys, f"syncer:{self.cfg.syncer_id}",
-                           {"versions": versions, "rounds": self.rounds})
+        registry.mark_syncer_final(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
+                                   SyncerFinal(versions=versions, rounds=self.stats.rounds))
         registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
         return True
 
@@ -475,15 +488,16 @@ class Syncer:
             stored = int(unpack_state(blob)["version"]) if blob else -1
             if stored >= f.core.version:
                 continue
-            lost = [(rec, acks) for rec, acks in f.recent if int(rec["version"]) > stored]
+            lost = [(rec, acks) for rec, acks in f.recent if rec.version > stored]
             log.error("fragment %d: Redis is at version %d, this syncer at %d; re-committing "
                       "%d round(s)", p, stored, f.core.version, len(lost))
-            if not lost or int(lost[-1][0]["version"]) != f.core.version:
+            if not lost or lost[-1][0].version != f.core.version:
                 raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
             self.streams.commit_round(
                 p, self.cfg.syncer_id, state=self._state_blob(f.core),
                 snapshot=f.snapshots[f.core.version], version=f.core.version,
-                record=lost[-1][0], earlier_records=[rec for rec, _ in lost[:-1]],
+                record=lost[-1][0].to_fields(),
+                earlier_records=[rec.to_fields() for rec, _ in lost[:-1]],
                 ack_ids=[i for _, acks in lost for i in acks], drop_sent_version=None,
                 extra_sent={v: b for v, b in f.snapshots.items() if v > stored})
             registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,
@@ -528,6 +542,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-rounds", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics on this port (default: off)")
+    # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -535,8 +550,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
-                        fail_before_commit=a.fail_before_commit,
-                        fail_after_commit=a.fail_after_commit, metrics_port=a.metrics_port)
+                        metrics_port=a.metrics_port,
+                        faults=CommitFaults(a.fail_before_commit, a.fail_after_commit))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ Each one measures its ratio side by side in one run on this machine:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,44 +30,23 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.keys import RunKeys
 from broker.pubsub import Subscriber
+from broker.records import Heartbeat
 from broker.streams import FragmentStreams
-from ops.cluster.redis_server import RedisServer
+from ops.cluster import RedisServer, store_run_config
 from pipeline import config as cfgmod
-from pipeline import quant
+from pipeline import kernels, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.model import param_shapes
+from workers.common import open_run
+from workers.syncer import Syncer, SyncerConfig
 
 # A model whose non-embedding fragments hold ~1M fp32 parameters (~4 MB) each at P=5.
 BIG = {"model": {"d_model": 288, "n_layers": 4, "n_heads": 4, "seq_len": 64},
        "data": {"max_bytes": 400_000}, "sync": {"fragments": 5}}
 
 
-def register(bsub: argparse._SubParsersAction) -> None:
-    for name, fn, help_ in (("overlap", bench_overlap, "learner step rate, syncing on ÷ off"),
-                            ("pipeline", bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
-                            ("memory", bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
-                            ("latency", bench_latency, "round latency p50/p99, 4 MB fragments")):
-        p = bsub.add_parser(name, help=help_)
-        p.add_argument("--out", default=f"runs/bench-{name}")
-        p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
-        p.set_defaults(func=_wrap(fn))
-
-
-def _wrap(fn):
-    def run(args: argparse.Namespace) -> int:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = fn(quick=args.quick)
-        result["machine"] = machine()
-        (out / "result.json").write_text(json.dumps(result, indent=1))
-        print(json.dumps(result, indent=1))
-        return 0
-    return run
-
-
 def machine() -> str:
-    import os
 
     return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"{platform.system()} {platform.release()}")
@@ -82,11 +62,8 @@ def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTenso
 
 def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
           tensors: dict[str, quant.QTensor]) -> dict:
-    fields = codec.entry_fields(codec.EntryMeta(learner, p, base, step, 10, 10 * 1024,
-                                                cfg.sync.codec_up), tensors)
-    fields["seconds"] = "1.0"
-    fields["final"] = "0"
-    return fields
+    return codec.entry_fields(codec.EntryMeta(learner, p, base, step, 10, 10 * 1024,
+                                              cfg.sync.codec_up, seconds=1.0), tensors)
 
 
 def _store(url: str, run: str, cfg: RunConfig) -> None:
@@ -101,7 +78,6 @@ def bench_pipeline(quick: bool = False) -> dict:
     round (decode + merge dominate; one commit per 64 entries) for each up-link codec (int4 is
     the shipped default), and 4 learners with a round (merge, outer step, atomic commit,
     publish) every 4 entries, int4."""
-    from pipeline import kernels
 
     out: dict = {"bench": "pipeline", "merge_kernels": kernels.backend()}
     reps = 2 if quick else 3
@@ -114,8 +90,6 @@ def bench_pipeline(quick: bool = False) -> dict:
 
 
 def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4") -> dict:
-    from workers.common import open_run
-    from workers.syncer import Syncer, SyncerConfig
 
     cfg = cfgmod.from_dict({**BIG, "learners": M,
                             "sync": {**BIG["sync"], "quorum": M, "codec_up": codec_up}})
@@ -127,7 +101,7 @@ def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4") -> 
         syncer = Syncer(SyncerConfig(srv.url, "bench", fragments=(p,)), ctx, zctx)
         syncer.start()
         for m in range(M):  # live learners: rounds close as soon as all of them contributed
-            registry.heartbeat(ctx.r, ctx.keys, f"L{m}", {"step_s": 1.0}, ttl_s=3600)
+            registry.heartbeat(ctx.r, ctx.keys, f"L{m}", Heartbeat(step_s=1.0), ttl_s=3600)
         streams = FragmentStreams(ctx.r, ctx.keys)
         payloads = [_fragment_delta(cfg, p, seed) for seed in range(4)]
         wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / len(payloads) / 1e6
@@ -198,7 +172,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
             time.sleep(0.5)  # let the subscription reach the publisher (slow joiner)
             payloads = [_fragment_delta(cfg, p, seed) for seed in range(min(M, 8))]
             for m in range(M):
-                registry.heartbeat(r, keys, f"L{m}", {"step_s": 1.0}, ttl_s=600)
+                registry.heartbeat(r, keys, f"L{m}", Heartbeat(step_s=1.0), ttl_s=600)
             lat = []
             version = 0
             rss_before = _rss_peak(proc.pid)
@@ -260,16 +234,11 @@ def bench_overlap(quick: bool = False) -> dict:
     """One learner pinned to CPU 0, the syncer and redis-server pinned to CPU 1 (a learner
     with its own core, as on separate hosts), run twice: syncing on, then off (`--no-sync`,
     same process otherwise). The steady inner-step rate of the two is compared."""
-    import os
-    import shutil
-    import tempfile
 
-    from ops.cli.run import default_demo_config
-    from ops.cluster.launcher import store_run_config
 
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     steps = 300 if quick else 1500
-    base = cfgmod.override(default_demo_config(), learners=1, steps=steps,
+    base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps,
                            **{"sync.quorum": 1})
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(1 if quick else 2):
@@ -296,8 +265,8 @@ def bench_overlap(quick: bool = False) -> dict:
                     learner.wait(1800)
                     syncer.wait(120)
                     r = connect(srv.url)
-                    reports = registry.done_reports(r, RunKeys(run))
-                    rates[mode].append(reports["final:L0"]["steps_per_s"])
+                    reports = registry.learner_final_reports(r, RunKeys(run))
+                    rates[mode].append(reports["L0"].steps_per_s)
                 finally:
                     srv.stop()
     on, off = statistics.mean(rates["on"]), statistics.mean(rates["off"])

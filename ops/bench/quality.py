@@ -8,33 +8,17 @@ reports final loss and accuracy, the gap to ddp and the measured bandwidth ratio
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ops.cli.common import add_config_args, config_from_args, make_corpus
-from ops.cluster import artifacts
+from ops.cluster import artifacts, codec_sizes
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
+from pipeline.data import run_corpus
 from pipeline.engine import Engine
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (results for BENCHMARKS.md)")
-    bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    q = bsub.add_parser("quality", help="ddp vs sync-diloco vs decoupled at equal tokens")
-    add_config_args(q, mode=False)
-    q.add_argument("--out", default="runs/bench-quality", help="output folder")
-    q.add_argument("--only", default="", help="comma-separated subset of variant names")
-    q.add_argument("--frontier", default="", metavar="H,H,...",
-                   help="also run decoupled at these sync intervals H with both codec pairs")
-    q.add_argument("--json", action="store_true")
-    q.set_defaults(func=run_quality)
-    for name in ("ops.bench.pipeline", "ops.bench.resilience"):
-        importlib.import_module(name).register(bsub)
 
 
 def bench_model_config() -> RunConfig:
@@ -66,37 +50,36 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
     }
 
 
-def run_quality(args: argparse.Namespace) -> int:
-    base = config_from_args(args, base=bench_model_config())
+def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
+                frontier: list[int] | None = None,
+                progress: Callable[[str], None] | None = None) -> str:
+    """Run the variants (and the frontier over H) at equal tokens; write ``results.json``,
+    ``loss_vs_tokens.png`` and ``results.md`` to `out`; return the markdown table."""
     runs = variants(base)
-    for h in [int(x) for x in args.frontier.split(",") if x.strip()]:
+    for h in frontier or []:
         for up in ("int4", "bf16"):
             runs[f"frontier H={h} {up}/bf16"] = cfgmod.override(
                 base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up})
-    if args.only:
-        keep = [s.strip() for s in args.only.split(",")]
-        runs = {k: v for k, v in runs.items() if k in keep}
-    out = Path(args.out)
+    if only:
+        runs = {k: v for k, v in runs.items() if k in only}
     out.mkdir(parents=True, exist_ok=True)
-    corpus = make_corpus(base)
+    corpus = run_corpus(base)
     results = {}
-    from ops.cluster.wire import codec_sizes
-
     for name, cfg in runs.items():
         t0 = time.perf_counter()
         s = Engine(cfg, corpus, wire=codec_sizes()).run()
         s["compute_s"] = time.perf_counter() - t0
         results[name] = s
-        print(f"{name:28s} loss {s['final_eval_loss']:.4f} acc {s['final_eval_accuracy']:.4f} "
-              f"ratio {s['bandwidth_ratio_vs_ddp']:7.1f}x goodput {s['goodput']:.3f} "
-              f"({s['compute_s']:.0f} s)", flush=True)
+        if progress is not None:
+            progress(f"{name:28s} loss {s['final_eval_loss']:.4f} acc "
+                     f"{s['final_eval_accuracy']:.4f} ratio {s['bandwidth_ratio_vs_ddp']:7.1f}x "
+                     f"goodput {s['goodput']:.3f} ({s['compute_s']:.0f} s)")
         (out / "results.json").write_text(json.dumps(results, indent=1))
     artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
                         title=f"eval loss vs tokens, M={base.learners}, in-process engine")
     md = quality_markdown(results, base)
     (out / "results.md").write_text(md)
-    print(md)
-    return 0
+    return md
 
 
 def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:

@@ -14,16 +14,22 @@ The pacing counts as compute.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ops.chaos.harness import random_schedule, run_chaos
-from ops.cli.common import make_corpus
+import matplotlib
+import matplotlib.pyplot as plt
+
+from ops.chaos import random_schedule, run_chaos
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
+from pipeline.data import run_corpus
+
+matplotlib.use("Agg")
 
 
 def base_config() -> RunConfig:
@@ -37,58 +43,41 @@ def base_config() -> RunConfig:
     })
 
 
-def register(bsub: argparse._SubParsersAction) -> None:
-    for name, fn, help_ in (("s1", run_s1, "goodput under learner failures"),
-                            ("s2", run_s2, "stragglers: speeds 1, 1, 1, 1/3")):
-        p = bsub.add_parser(name, help=help_)
-        p.add_argument("--duration", type=float, default=300.0 if name == "s1" else 180.0)
-        p.add_argument("--pace-s", type=float, default=0.2)
-        p.add_argument("--kill-every-s", type=float, default=30.0)
-        p.add_argument("--down-s", type=float, default=5.0)
-        p.add_argument("--seeds", default="1",
-                       help="comma-separated seeds, one side-by-side run each (s1: the kill "
-                            "schedule; s2: model initialisation and data order)")
-        p.add_argument("--out", default=f"runs/bench-{name}")
-        if name == "s2":
-            p.add_argument("--variants", default=",".join(S2_VARIANTS[:3]),
-                           help="comma-separated subset of: " + "; ".join(S2_VARIANTS))
-        p.set_defaults(func=fn)
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
-             corpus, delays=None) -> dict:
+             corpus, delays=None, progress: Progress = _quiet) -> dict:
     run = name.replace(" ", "-").replace("/", "-").replace("+", "p")
     t0 = time.monotonic()
     rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
                     delays_s=delays or {}, eval_every_s=10.0, corpus=corpus)
     rep["bench_wall_s"] = time.monotonic() - t0
     rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
-    print(f"{name:24s} goodput {rep['goodput']:.3f} availability {rep['availability']:.3f} "
-          f"loss {rep['final_eval_loss']} rounds {rep['rounds']} lost {rep['lost']}", flush=True)
+    progress(f"{name:24s} goodput {rep['goodput']:.3f} availability "
+             f"{rep['availability']:.3f} loss {rep['final_eval_loss']} rounds {rep['rounds']} "
+             f"lost {rep['lost']}")
     return rep
 
 
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds:
-        raise SystemExit(f"--seeds: expected comma-separated integers, got {text!r}")
-    return seeds
-
-
-def run_s1(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
+       kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet) -> dict:
+    """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
+    the kill schedule). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
     base = base_config()
-    corpus = make_corpus(base)
+    corpus = run_corpus(base)
     runs = {}
-    for seed in _seeds(args.seeds):
-        schedule = random_schedule(seed, args.duration, {"kill-learner": args.kill_every_s},
-                                   args.down_s, quiet_tail_s=15.0)
+    for seed in seeds:
+        schedule = random_schedule(seed, duration_s, {"kill-learner": kill_every_s},
+                                   down_s, quiet_tail_s=15.0)
         runs[seed] = {mode: _variant(cfgmod.override(base, mode=mode), out / f"seed{seed}",
-                                     mode, schedule, args.duration, args.pace_s, corpus)
+                                     mode, schedule, duration_s, pace_s, corpus,
+                                     progress=progress)
                       for mode in ("decoupled", "sync-diloco")}
         runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
     summary = {
@@ -104,22 +93,25 @@ def run_s1(args: argparse.Namespace) -> int:
     }
     summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
                                          / summary["goodput_sync_diloco_mean"])
-    _save(out, "s1", runs, summary, args, base)
+    doc = _save(out, "s1", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
+                                           "seeds": seeds}, base)
     _plot(out / "s1.png", runs, "S1: learner failures (shaded), M=4")
-    return 0
+    return doc
 
 
-def run_s2(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: float = 180.0,
+       pace_s: float = 0.2, progress: Progress = _quiet) -> dict:
+    """S2, a straggler (speeds 1, 1, 1, 1/3): the variants side by side per seed (the seed
+    picks the model initialisation and data order). Writes ``s2.json`` and ``s2.png``."""
     out.mkdir(parents=True, exist_ok=True)
-    slow = {"L3": 2 * args.pace_s}  # 3× the paced step time: speed 1/3
+    slow = {"L3": 2 * pace_s}  # 3× the paced step time: speed 1/3
     runs = {}
-    for seed in _seeds(args.seeds):
+    for seed in seeds:
         base = cfgmod.override(base_config(), seed=seed)
-        corpus = make_corpus(base)
-        variants = {name: _s2_config(base, name) for name in _variant_names(args.variants)}
-        results = {name: _variant(cfg, out / f"seed{seed}", name, [], args.duration,
-                                  args.pace_s, corpus, slow)
+        corpus = run_corpus(base)
+        variants = {name: _s2_config(base, name) for name in variant_names}
+        results = {name: _variant(cfg, out / f"seed{seed}", name, [], duration_s,
+                                  pace_s, corpus, slow, progress)
                    for name, cfg in variants.items()}
         for rep in results.values():
             rep["tail_mean_eval_loss"] = _tail_mean(rep["history"], TAIL_S)
@@ -136,23 +128,28 @@ def run_s2(args: argparse.Namespace) -> int:
                           r[name]["tail_mean_eval_loss"] for r in runs.values()),
                       "goodput_mean": _mean(r[name]["goodput"] for r in runs.values())}
                for name in names}
-    _save(out, "s2", runs, summary, args, base_config())
+    doc = _save(out, "s2", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
+                                           "seeds": seeds}, base_config())
     _plot(out / "s2.png", runs, "S2: speeds 1, 1, 1, 1/3, M=4")
-    return 0
+    return doc
 
 
 S2_VARIANTS = ("decoupled K=1 + grace", "K=1 no grace", "sync-diloco",
                "K=1 + grace, full steps", "K=1 no grace, full steps")
 
 
-def _variant_names(text: str) -> list[str]:
-    """Split a comma-separated list of S2 variant names (some names contain a comma)."""
+def variant_names(text: str) -> list[str]:
+    """Split a comma-separated list of S2 variant names (some names contain a comma).
+
+    Raises:
+        ValueError: A name is not one of `S2_VARIANTS`.
+    """
     names, rest = [], text.strip()
     while rest:
         name = next((n for n in sorted(S2_VARIANTS, key=len, reverse=True)
                      if rest.startswith(n)), None)
         if name is None:
-            raise SystemExit(f"--variants: cannot read {rest!r}; known: "
+            raise ValueError(f"--variants: cannot read {rest!r}; known: "
                              f"{'; '.join(S2_VARIANTS)}")
         names.append(name)
         rest = rest[len(name):].lstrip(",").strip()
@@ -162,7 +159,7 @@ def _variant_names(text: str) -> list[str]:
 def _s2_config(base: RunConfig, name: str) -> RunConfig:
     """The S2 variants: the shipped decoupled policy (K=1 + grace), the same without grace,
     sync-diloco, and ablations of both decoupled ones with a full outer step per round.
-    `name` comes from `_variant_names`, which refuses unknown names."""
+    `name` comes from `variant_names`, which refuses unknown names."""
     if name == "sync-diloco":
         return cfgmod.override(base, mode="sync-diloco")
     over = {} if "no grace" not in name else {"sync.grace_max_s": 0.0}
@@ -187,32 +184,29 @@ def _mean(values) -> float | None:
     return float(sum(vals) / len(vals)) if vals else None
 
 
-def _save(out: Path, name: str, runs: dict, summary: dict, args: argparse.Namespace,
-          base: RunConfig):
-    import os
-
+def _save(out: Path, name: str, runs: dict, summary: dict, params: dict,
+          base: RunConfig) -> dict:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                       f"{platform.python_version()}", "duration_s": args.duration,
-            "pace_s": args.pace_s, "seeds": args.seeds, "config": cfgmod.to_dict(base)}
-    (out / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "runs": {str(k): v for k, v in runs.items()}},
-        indent=1))
-    keys = ("goodput", "availability", "final_eval_loss", "tail_mean_eval_loss", "rounds",
-            "pushes_acked", "merged", "dropped_stale", "dead_lettered", "duplicated", "lost",
-            "rejoin_s_p50", "rejoin_s_max", "time_to_sync_final_loss_s")
-    print(json.dumps({str(seed): {k: {kk: v.get(kk) for kk in keys}
-                                  for k, v in results.items() if isinstance(v, dict)}
-                      for seed, results in runs.items()}, indent=1))
-    print(json.dumps({"summary": summary}, indent=1))
+                       f"{platform.python_version()}", **params, "config": cfgmod.to_dict(base)}
+    doc = {"meta": meta, "summary": summary, "runs": {str(k): v for k, v in runs.items()}}
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+REPORT_KEYS = ("goodput", "availability", "final_eval_loss", "tail_mean_eval_loss", "rounds",
+               "pushes_acked", "merged", "dropped_stale", "dead_lettered", "duplicated", "lost",
+               "rejoin_s_p50", "rejoin_s_max", "time_to_sync_final_loss_s")
+
+
+def digest(doc: dict) -> dict:
+    """The figures of each variant per seed (`REPORT_KEYS`), and the summary."""
+    return {"runs": {seed: {k: {kk: v.get(kk) for kk in REPORT_KEYS}
+                            for k, v in results.items() if isinstance(v, dict)}
+                     for seed, results in doc["runs"].items()}, "summary": doc["summary"]}
 
 
 def _plot(path: Path, runs: dict, title: str) -> None:
     """Loss vs wall time, one panel per seed, fault windows shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 3.6 * len(runs)), dpi=110,
                              squeeze=False)
     for ax, (seed, results) in zip(axes[:, 0], runs.items(), strict=True):

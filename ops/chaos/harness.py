@@ -7,20 +7,16 @@ Faults come from a schedule — scripted (at t, do X to Y for D seconds) or rand
 fault kind, seeded) — and every injected fault is written to the run's events stream. What the
 harness kills it restarts (learners with the same id and state folder, so they resume).
 At the end it stops the run (learners flush, syncers close final rounds) and prints the report
-of `ops.chaos_report.account`.
+of `ops.chaos.ledger.account`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-import tomllib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,56 +24,16 @@ import redis
 
 from broker import registry
 from broker.connection import connect
+from broker.errors import BrokerError
 from broker.keys import RunKeys
+from broker.records import read_rounds
 from ops.chaos.ledger import account
-from ops.cli.common import add_config_args, config_from_args, fail, print_json
-from ops.cluster import artifacts
-from ops.cluster.netproxy import TcpProxy
-from ops.cluster.redis_server import RedisServer, free_port
+from ops.chaos.schedule import Fault
+from ops.cluster import RedisServer, Supervisor, TcpProxy, free_port, role_cmd
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.model import param_shapes
-
-KINDS = ("kill-learner", "pause-learner", "kill-syncer", "kill-syncer-after-commit",
-         "takeover", "kill-redis", "partition-learner", "cut-zmq-learner")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """At `at_s` after the start, do `kind` to `target` (a learner id, or "" for a random one)
-    for `down_s` seconds."""
-
-    at_s: float
-    kind: str
-    target: str = ""
-    down_s: float = 5.0
-
-
-def load_schedule(path: str | Path) -> list[Fault]:
-    """A TOML file of ``[[fault]]`` tables with at_s, kind, target, down_s."""
-    data = tomllib.loads(Path(path).read_text())
-    faults = []
-    for i, f in enumerate(data.get("fault", [])):
-        if f.get("kind") not in KINDS:
-            raise cfgmod.ConfigError(f"fault[{i}].kind: {f.get('kind')!r} is not one of "
-                                     f"{', '.join(KINDS)}")
-        faults.append(Fault(float(f["at_s"]), f["kind"], str(f.get("target", "")),
-                            float(f.get("down_s", 5.0))))
-    return sorted(faults, key=lambda f: f.at_s)
-
-
-def random_schedule(seed: int, duration_s: float, rates_s: dict[str, float], down_s: float,
-                    quiet_tail_s: float) -> list[Fault]:
-    """Poisson faults: kind k every `rates_s[k]` seconds on average, none in the quiet tail."""
-    rng = np.random.default_rng(seed)
-    faults = []
-    for kind, mean_s in sorted(rates_s.items()):
-        t = rng.exponential(mean_s)
-        while t < duration_s - quiet_tail_s - down_s:
-            faults.append(Fault(round(float(t), 3), kind, "", down_s))
-            t += rng.exponential(mean_s)
-    return sorted(faults, key=lambda f: f.at_s)
 
 
 class ChaosRun:
@@ -96,8 +52,7 @@ class ChaosRun:
         self.keys = RunKeys(run)
         self.state_dir = run_dir / "state"
         self.logs = run_dir / "logs"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.cmds: dict[str, list[str]] = {}
+        self.sup: Supervisor | None = None  # started with the run's Redis
         self.down: dict[str, float] = {}          # name → when to bring it back
         self.paused: dict[str, float] = {}
         self.cut: dict[str, float] = {}
@@ -107,44 +62,44 @@ class ChaosRun:
         self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
         self.history: list[dict] = []
         self.crashes: dict[str, int] = {}
+        self.eval_failures: list[dict] = []
         self.gave_up: set[str] = set()
         self.max_crashes = 3
 
     # -- processes ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str) -> None:
-        with open(self.logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
-            self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out,
-                                                stderr=subprocess.STDOUT)
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return self.sup.procs
+
+    @property
+    def r(self) -> redis.Redis:
+        return self.sup.r
 
     def start(self) -> None:
         for d in (self.state_dir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(workdir=self.run_dir / "redis").start()
-        self.r = connect(self.redis.url)
+        self.sup = Supervisor(self.cfg, self.run, self.redis.url, self.run_dir)
         registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash())
         self.sync_ports = {"syncer-0": free_port()}
         if self.standby:
             self.sync_ports["syncer-1"] = free_port()
         for sid, port in self.sync_ports.items():
-            self.cmds[sid] = [sys.executable, "-m", "workers.syncer", "--redis-url",
-                              self.redis.url, "--run", self.run, "--id", sid, "--bind",
-                              f"tcp://127.0.0.1:{port}"]
-            self._spawn(sid)
+            self.sup.spawn(sid, role_cmd("syncer", self.redis.url, self.run, "--id", sid,
+                                         "--bind", f"tcp://127.0.0.1:{port}"))
         self.proxies: dict[str, list[TcpProxy]] = {}
         for m in range(self.cfg.learners):
             name = f"L{m}"
             rp = TcpProxy("127.0.0.1", self.redis.port)
             zps = [TcpProxy("127.0.0.1", port) for port in self.sync_ports.values()]
             self.proxies[name] = [rp, *zps]
-            cmd = [sys.executable, "-m", "workers.learner", "--redis-url",
-                   f"redis://{rp.address}/0", "--run", self.run, "--id", name,
-                   "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
-                   "--delay-s", str(self.delays_s.get(name, 0.0))]
+            cmd = role_cmd("learner", f"redis://{rp.address}/0", self.run, "--id", name,
+                           "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
+                           "--delay-s", str(self.delays_s.get(name, 0.0)))
             for zp in zps:
                 cmd += ["--sub-endpoint", f"tcp://{zp.address}"]
-            self.cmds[name] = cmd
-            self._spawn(name)
+            self.sup.spawn(name, cmd)
         self.t_start = time.time()
         self.t0 = time.monotonic()
 
@@ -176,10 +131,10 @@ class ChaosRun:
         self.faults.append(rec)
         self._event("fault", fault=f.kind, target=target, down_s=f.down_s)
         if f.kind == "kill-learner":
-            self.procs[target].kill()
+            self.sup.kill(target)
             self.down[target] = now + f.down_s
         elif f.kind == "pause-learner":
-            os.kill(self.procs[target].pid, signal.SIGSTOP)
+            self.sup.signal(target, signal.SIGSTOP)
             self.paused[target] = now + f.down_s
         elif f.kind in ("partition-learner", "cut-zmq-learner"):
             proxies = self.proxies[target] if f.kind == "partition-learner" else \
@@ -191,16 +146,14 @@ class ChaosRun:
             self._cut_kind[target] = proxies
         elif f.kind in ("kill-syncer", "kill-syncer-after-commit"):
             sid = target or "syncer-0"
-            self.procs[sid].kill()
-            self.procs[sid].wait()
+            self.sup.kill(sid)
             if f.kind == "kill-syncer-after-commit":  # the restart dies after its next commit
-                base = [a for a in self.cmds[sid] if not a.startswith("--fail")]
-                self.cmds[sid] = base + ["--fail-after-commit", "1"]
-                self._spawn(sid)
+                base = [a for a in self.sup.cmds[sid] if not a.startswith("--fail")]
+                self.sup.spawn(sid, base + ["--fail-after-commit", "1"])
                 self._restore_cmd = (sid, base)
             self.down[sid] = now + f.down_s
         elif f.kind == "takeover":
-            self.procs["syncer-0"].kill()  # for good: the standby must take its fragments
+            self.sup.kill("syncer-0")  # for good: the standby must take its fragments
         elif f.kind == "kill-redis":
             self.redis.kill()
             self.down["redis"] = now + f.down_s
@@ -211,21 +164,18 @@ class ChaosRun:
                 continue
             if name == "redis":
                 self.redis.start()
-                self.r = connect(self.redis.url)
+                self.sup.r = connect(self.redis.url)
                 self._event("recover", target="redis")
             else:
-                if getattr(self, "_restore_cmd", (None,))[0] == name:
-                    self.cmds[name] = self._restore_cmd[1]
-                if self.procs[name].poll() is None:
-                    self.procs[name].kill()
-                    self.procs[name].wait()
-                self._spawn(name)
+                restore = getattr(self, "_restore_cmd", (None, None))
+                self.sup.kill(name)
+                self.sup.spawn(name, restore[1] if restore[0] == name else None)
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
             del self.down[name]
         for name, t in list(self.paused.items()):
             if now >= t:
-                os.kill(self.procs[name].pid, signal.SIGCONT)
+                self.sup.signal(name, signal.SIGCONT)
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
                 del self.paused[name]
@@ -246,32 +196,26 @@ class ChaosRun:
             if name == "syncer-0" and any(f["kind"] == "takeover" for f in self.faults):
                 continue
             if code in (17, 18):  # a fault-injected syncer exit: bring it back
-                self._spawn(name)
+                self.sup.spawn(name)
                 self.restarts.append((name, time.time()))
                 continue
             self.crashes[name] = self.crashes.get(name, 0) + 1
             self._event("crash", target=name, code=code)
             if self.crashes[name] <= self.max_crashes:
-                self._spawn(name)
+                self.sup.spawn(name)
             else:  # a crash loop is a bug to report, not something to retry forever
                 self.down.pop(name, None)
                 self.gave_up.add(name)
 
     def _evaluate(self, corpus) -> None:
-        from ops.cluster.launcher import global_params
-        from pipeline.train import evaluate
-
         try:
-            params, versions = global_params(self.r, self.keys, len(self.frags))
-        except Exception:  # noqa: BLE001 - Redis may be down mid-fault; try again later
+            m = self.sup.evaluate(corpus)
+        except (BrokerError, redis.ConnectionError, redis.TimeoutError) as e:
+            # Redis is down mid-fault (or nothing is committed yet): recorded, tried again later
+            self.eval_failures.append({"wall_s": time.monotonic() - self.t0,
+                                       "error": f"{type(e).__name__}: {e}"})
             return
-        import jax.numpy as jnp
-
-        m = evaluate({k: jnp.asarray(v) for k, v in params.items()},
-                     corpus.eval_batches(self.cfg.data.eval_batches, self.cfg.inner.batch_size),
-                     self.cfg.model)
-        self.history.append({"wall_s": time.monotonic() - self.t0, "eval_loss": m["loss"],
-                             "eval_accuracy": m["accuracy"], "versions": versions})
+        self.history.append({"wall_s": time.monotonic() - self.t0, **m})
 
     def wait_until_training(self, timeout_s: float = 120.0) -> None:
         """The fault clock starts once every learner has taken an inner step (process start
@@ -279,7 +223,7 @@ class ChaosRun:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             recs = registry.learner_records(self.r, self.keys)
-            if len(recs) >= self.cfg.learners and all(r.get("step", 0) >= 1
+            if len(recs) >= self.cfg.learners and all(r.step >= 1
                                                       for r in recs.values()):
                 break
             if any(p.poll() not in (None, 0) for p in self.procs.values()):
@@ -315,12 +259,9 @@ class ChaosRun:
 
     def finish(self, timeout_s: float = 300.0, corpus=None) -> dict:
         deadline = time.monotonic() + timeout_s
-        for name, p in self.procs.items():
-            try:
-                p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for name in self.procs:
+            if not self.sup.wait(name, max(1.0, deadline - time.monotonic())):
+                self.sup.kill(name)
                 self._event("timeout", target=name)
         t_end = time.time()
         if corpus is not None:
@@ -332,12 +273,11 @@ class ChaosRun:
                       t_start=self.t_start, t_end=self.t_stop, restarts=self.restarts,
                       window_s=max(5.0, 2 * self.cfg.effective_sync().sync_every *
                                    max(self.pace_s, 0.02) / len(self.frags)))
-        done = registry.done_reports(self.r, self.keys)
-        finals = {k[len("final:"):]: v for k, v in done.items() if k.startswith("final:")}
-        hashes = {k: v.get("hashes") for k, v in finals.items()}
+        finals = registry.learner_final_reports(self.r, self.keys)
+        hashes = {k: v.hashes for k, v in finals.items()}
         versions_ok = True
         for p in range(len(self.frags)):
-            vs = [int(f[b"version"]) for _, f in self.r.xrange(self.keys.fragment(p).rounds)]
+            vs = [rec.version for rec in read_rounds(self.r, self.keys.fragment(p))]
             versions_ok &= all(b > a for a, b in zip(vs, vs[1:], strict=False))
         rep.update({
             "mode": self.cfg.mode, "learners": self.cfg.learners,
@@ -352,19 +292,13 @@ class ChaosRun:
                          "progress": f.get(b"progress", b"0") == b"1"}
                         for _, f in self.r.xrange(self.keys.events)
                         if f.get(b"kind") == b"resume"],
-            "history": self.history,
+            "history": self.history, "eval_failures": self.eval_failures,
         })
         return rep
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                p.kill()
-                p.wait()
+        if self.sup is not None:
+            self.sup.close()
         for proxies in getattr(self, "proxies", {}).values():
             for px in proxies:
                 px.close()
@@ -383,50 +317,3 @@ def run_chaos(cfg: RunConfig, run_dir: Path, run: str, schedule: list[Fault], du
         return chaos.finish(corpus=corpus)
     finally:
         chaos.close()
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chaos", help="a full run under injected faults, with accounting")
-    add_config_args(p)
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
-    p.add_argument("--schedule", help="TOML file of [[fault]] at_s/kind/target/down_s")
-    p.add_argument("--kill-every-s", type=float, default=30.0,
-                   help="random schedule: mean seconds between learner kills (0: none)")
-    p.add_argument("--pause-every-s", type=float, default=0.0)
-    p.add_argument("--down-s", type=float, default=5.0, help="random schedule: downtime")
-    p.add_argument("--pace-s", type=float, default=0.1, help="inner step wall time per learner")
-    p.add_argument("--standby", action="store_true", help="start a standby syncer")
-    p.add_argument("--out", default="runs")
-    p.add_argument("--run", default=None)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
-    from ops.cli.run import default_demo_config
-
-    try:
-        cfg = config_from_args(args, base=replace(default_demo_config(), steps=10**6))
-        if args.schedule:
-            schedule = load_schedule(args.schedule)
-        else:
-            rates = {k: v for k, v in (("kill-learner", args.kill_every_s),
-                                       ("pause-learner", args.pause_every_s)) if v > 0}
-            schedule = random_schedule(cfg.seed, args.duration, rates, args.down_s,
-                                       quiet_tail_s=min(20.0, args.duration / 5))
-    except (cfgmod.ConfigError, OSError) as e:
-        return fail(str(e))
-    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
-    run_dir = artifacts.new_run_dir(args.out, run)
-    rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
-                    pace_s=args.pace_s, standby=args.standby)
-    (run_dir / "chaos.json").write_text(json.dumps(rep, indent=1))
-    if args.json:
-        print_json({k: v for k, v in rep.items() if k != "history"})
-    else:
-        for k in ("pushes_attempted", "pushes_acked", "merged", "dropped_stale",
-                  "dead_lettered", "duplicated", "lost", "rounds", "availability", "goodput",
-                  "rejoin_s_p50", "rejoin_s_max"):
-            print(f"{k:18s} {rep[k]}")
-        print(f"faults injected: {len(rep['faults'])}; report in {run_dir / 'chaos.json'}")
-    return 0 if rep["lost"] == 0 else 1

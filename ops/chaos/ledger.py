@@ -10,21 +10,19 @@ once.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import redis
 
+from broker import codec
+from broker.ids import as_text
 from broker.keys import RunKeys
+from broker.records import Drop, Reason, read_rounds
 from workers.learner_net import read_push_log
 
 Key = tuple[str, int, int, int]
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 IdMap = dict[tuple[int, str], Key]  # (fragment, entry id) → key: ids are unique per stream only
@@ -54,8 +52,8 @@ def _key_of(r: redis.Redis, keys: RunKeys, p: int, entry_id: str, id_key: IdMap)
     got = r.xrange(keys.fragment(p).frags, entry_id, entry_id)
     if not got:
         return None
-    f = got[0][1]
-    return (_s(f[b"learner"]), int(f[b"fragment"]), int(f[b"base_version"]), int(f[b"step"]))
+    peek = codec.peek_key(got[0][1])
+    return None if peek is None else (peek[0], p, peek[1], peek[2])
 
 
 def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, learners: int,
@@ -74,8 +72,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     contributed: dict[str, list[float]] = defaultdict(list)
     joins: dict[str, float] = {}
     for _, f in r.xrange(keys.events):
-        if _s(f.get(b"kind", b"")) == "join":
-            joins.setdefault(_s(f[b"learner"]), float(f[b"t"]))
+        if as_text(f.get(b"kind", b"")) == "join":
+            joins.setdefault(as_text(f[b"learner"]), float(f[b"t"]))
     if len(joins) >= learners:
         # allocation starts when the last learner joined: from then on every learner-second is
         # allocated, and the seconds an entry carries (first, compiling step included) all
@@ -83,43 +81,38 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
         t_start = max(joins.values())
     for p in range(n_fragments):
         fk = keys.fragment(p)
-        for _, f in r.xrange(fk.rounds):
-            t = float(f[b"t"])
+        for rec in read_rounds(r, fk):
+            t = rec.t or 0.0
             round_times.append(t)
-            seconds = json.loads(f.get(b"seconds", b"[]"))
-            for i, (entry_id, learner, *_rest) in enumerate(json.loads(f[b"included"])):
-                k = _key_of(r, keys, p, entry_id, id_key) or (learner, p, -1, -1)
+            for i, inc in enumerate(rec.included):
+                k = _key_of(r, keys, p, inc.entry_id, id_key) or (inc.learner, p, -1, -1)
                 merged.add(k)
-                contributed[learner].append(t)
-                if i < len(seconds) and t >= t_start:  # inside the accounting window
-                    useful_s += frag_weights[p] * float(seconds[i])
-            for entry_id, reason in json.loads(f[b"dropped"]):
-                if reason == "duplicate":
+                contributed[inc.learner].append(t)
+                if i < len(rec.seconds) and t >= t_start:  # inside the accounting window
+                    useful_s += frag_weights[p] * rec.seconds[i]
+            for entry_id, reason in rec.dropped:
+                if reason.kind is Drop.DUPLICATE:
                     duplicated += 1
                     continue
                 k = _key_of(r, keys, p, entry_id, id_key)
                 if k is not None:
-                    (dropped_stale if reason.startswith("stale") else dropped_other).add(k)
+                    (dropped_stale if reason.kind is Drop.STALE else dropped_other).add(k)
         for _, f in r.xrange(fk.dlq):
-            k = _key_of(r, keys, p, _s(f.get(b"dlq_source_id", b"")), id_key)
-            if k is None and b"learner" in f:
-                try:
-                    k = (_s(f[b"learner"]), int(f[b"fragment"]), int(f[b"base_version"]),
-                         int(f[b"step"]))
-                except ValueError:
-                    k = None
+            k = _key_of(r, keys, p, as_text(f.get(b"dlq_source_id", b"")), id_key)
+            if k is None and (peek := codec.peek_key(f)) is not None:
+                k = (peek[0], p, peek[1], peek[2])
             if k is not None:
                 dead.add(k)
     for _, f in r.xrange(keys.events):
-        if _s(f.get(b"kind", b"")) == "dropped":
+        if as_text(f.get(b"kind", b"")) == "dropped":
             fr = int(f[b"fragment"])
-            k = _key_of(r, keys, fr, _s(f[b"entry"]), id_key)
+            k = _key_of(r, keys, fr, as_text(f[b"entry"]), id_key)
             if k is not None:
-                if _s(f[b"reason"]) == "duplicate":
+                kind = Reason.of(as_text(f[b"reason"])).kind
+                if kind is Drop.DUPLICATE:
                     duplicated += 1
                 else:
-                    dropped_stale.add(k) if _s(f[b"reason"]).startswith("stale") else \
-                        dropped_other.add(k)
+                    (dropped_stale if kind is Drop.STALE else dropped_other).add(k)
     t_end = max([t_end, *round_times])  # the final flush merges work done before the stop
     accounted = merged | dropped_stale | dropped_other | dead
     lost = sorted(acked - accounted)

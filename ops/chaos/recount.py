@@ -5,16 +5,15 @@ the window is [last learner join, first learner done], extended to the final rou
 """
 import json
 import sys
-import tomllib
 from pathlib import Path
 
 import redis
 
+from broker.keys import RunKeys
 from ops.chaos.ledger import account
-from ops.cluster.redis_server import RedisServer
-from pipeline import config as cfgmod
-from pipeline.fragments import fragment_sizes, partition
-from pipeline.model import param_shapes
+from ops.cluster import RedisServer
+from pipeline.fragments import fragment_sizes
+from workers.common import open_run
 
 out = {}
 for d in sys.argv[1:]:
@@ -22,11 +21,11 @@ for d in sys.argv[1:]:
     srv = RedisServer(workdir=d / "redis").start()
     try:
         r = redis.Redis(port=srv.port)
-        run = [k.decode() for k in r.keys("ddl:*:config")][0].split(":")[1]
-        cfg = cfgmod.from_dict(tomllib.loads(r.hget(f"ddl:{run}:config", "toml").decode()))
-        frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
-        sizes = fragment_sizes(param_shapes(cfg.model), frags)
-        ev = r.xrange(f"ddl:{run}:events")
+        run = RunKeys.run_of_config(next(iter(r.scan_iter(match=RunKeys.config_pattern()))))
+        ctx = open_run(srv.url, run, wait_s=0)
+        cfg, frags = ctx.cfg, ctx.fragments
+        sizes = fragment_sizes(ctx.shapes, frags)
+        ev = r.xrange(ctx.keys.events)
         done = [float(f[b"t"]) for _, f in ev if f[b"kind"] == b"done"]
         joins = [float(f[b"t"]) for _, f in ev if f[b"kind"] == b"join"]
         rep = account(r, run, len(frags), d / "state", learners=cfg.learners,

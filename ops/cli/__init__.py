@@ -1,18 +1,21 @@
 """The `diloco` command line: one subcommand per role and tool.
 
-Each tool module exposes ``register(subparsers)`` which adds its subparser and sets
-``func`` (called with the parsed namespace, returning an exit code).
+Only this room parses arguments, prints and picks exit codes; the rooms it calls return data.
+Each module below exposes ``register(subparsers)``, which adds its subcommands and sets
+``func`` (called with the parsed namespace, returning an exit code). A module that fails to
+import fails the command: nothing is left out silently.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-# Modules that contribute subcommands, in the order they appear in --help.
-_TOOL_MODULES = ("ops.cli.run", "ops.cli.roles", "ops.tools.inspect", "ops.tools.replay", "ops.chaos.harness",
-                 "ops.tools.checkpoint", "ops.tools.plots", "ops.bench.quality", "ops.sim.scenarios")
+from ops.cli import bench, chaos, goodput, roles, run, tools
+from workers import native
+
+# In the order they appear in --help.
+_COMMANDS = (run, roles, tools, chaos, bench, goodput)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo: asynchronous, fault-tolerant, low-communication training.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _TOOL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:  # a tool still being written: leave it out
-            if e.name != name:
-                raise
-            continue
+    for module in _COMMANDS:
         module.register(sub)
     return parser
 
@@ -38,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from workers import native
-
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     return int(args.func(args) or 0)
 

@@ -1,17 +1,16 @@
-"""Helpers shared by the `diloco` subcommands: configuration from file + flags, data, output."""
+"""What every `diloco` subcommand shares: configuration from file + flags, output, errors."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
+import tomllib
 from typing import Any
 
 import redis
 
 from pipeline import config as cfgmod
-from pipeline import data
 from pipeline.config import ConfigError, RunConfig
 
 
@@ -29,8 +28,6 @@ def add_config_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
 
 def parse_set(items: list[str]) -> dict[str, Any]:
     """`--set a.b=1` pairs → overrides (values parsed as TOML, bare words as strings)."""
-    import tomllib
-
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -58,21 +55,10 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
     return cfgmod.override(cfg, **updates) if updates else cfgmod.validate(cfg)
 
 
-def make_corpus(cfg: RunConfig) -> data.Corpus:
-    toks = data.load_tokens(cfg.data)
-    return data.make_corpus(toks, cfg.learners, cfg.model.seq_len, cfg.data.eval_fraction,
-                            cfg.seed)
-
-
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, sort_keys=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def fail(msg: str, code: int = 2) -> int:

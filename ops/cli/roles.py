@@ -5,21 +5,25 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from broker.errors import BrokerError
 from ops.cli.common import REDIS_DOWN, add_config_args, config_from_args, fail, fail_on, print_json
+from ops.cli.live import LiveView
+from ops.cluster import store_run_config
+from ops.tools import snapshot, status
+from pipeline import config as cfgmod
 from pipeline.config import ConfigError
+from workers import learner, syncer
+from workers.common import open_run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from workers import learner, syncer
-
-    s = sub.add_parser("syncer", help="run one syncer (merges fragment streams, publishes)")
-    syncer.add_args(s)
-    s.set_defaults(func=_run_syncer)
-    ln = sub.add_parser("learner", help="run one learner (trains, pushes fragments)")
-    learner.add_args(ln)
-    ln.set_defaults(func=_run_learner)
+    for role, text in ((syncer, "run one syncer (merges fragment streams, publishes)"),
+                       (learner, "run one learner (trains, pushes fragments)")):
+        p = sub.add_parser(role.__name__.rpartition(".")[2], help=text)
+        role.add_args(p)
+        p.set_defaults(func=lambda args, role=role: _run_role(role, args))
     i = sub.add_parser("init", help="store a run configuration in Redis for separate hosts")
     add_config_args(i)
     i.add_argument("--redis-url", required=True)
@@ -29,41 +33,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--redis-url", required=True)
     st.add_argument("--run", required=True)
     st.add_argument("--json", action="store_true")
-    st.add_argument("--watch", action="store_true", help="refresh in place every second")
+    st.add_argument("--watch", action="store_true",
+                    help="the live progress view, refreshed every second (Ctrl-C to stop)")
     st.set_defaults(func=_status)
 
 
-def _logging() -> None:
+def _run_role(role, args: argparse.Namespace) -> int:
+    """`diloco syncer` / `diloco learner`: the role's ``main`` with its parsed configuration."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
-
-
-def _run_syncer(args: argparse.Namespace) -> int:
-    from workers import syncer
-
-    _logging()
     try:
-        return syncer.main(syncer.config_from_args(args))
-    except (BrokerError, ConfigError, ValueError) as e:
-        return fail(str(e))
-
-
-def _run_learner(args: argparse.Namespace) -> int:
-    from workers import learner
-
-    _logging()
-    try:
-        return learner.main(learner.config_from_args(args))
+        return role.main(role.config_from_args(args))
     except (BrokerError, ConfigError, ValueError) as e:
         return fail(str(e))
 
 
 def _init(args: argparse.Namespace) -> int:
-    from ops.cli.run import default_demo_config
-    from ops.cluster.launcher import store_run_config
-
     try:
-        cfg = config_from_args(args, base=default_demo_config())
+        cfg = config_from_args(args, base=cfgmod.demo_config())
         stored = store_run_config(args.redis_url, args.run, cfg)
     except (BrokerError, ConfigError, *REDIS_DOWN) as e:
         return fail_on(e)
@@ -77,16 +64,28 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ops.tools import status
-
     try:
         if args.watch:
-            return status.watch(args.redis_url, args.run)
+            return _watch(args.redis_url, args.run)
         report = status.collect(args.redis_url, args.run)
-    except (BrokerError, *REDIS_DOWN) as e:
+    except (BrokerError, ValueError, *REDIS_DOWN) as e:
         return fail_on(e)
     if args.json:
         print_json(report)
     else:
         print(status.render(report))
     return 0
+
+
+def _watch(redis_url: str, run: str) -> int:
+    """The live view of a run from its registry, until Ctrl-C."""
+    ctx = open_run(redis_url, run, wait_s=0)
+    t0 = time.monotonic()
+    with LiveView(mode="auto", line_interval_s=1.0, title=f"{run}: {ctx.cfg.mode}") as view:
+        try:
+            while True:
+                view.update(snapshot(ctx.r, ctx.keys, expected_learners=ctx.cfg.learners,
+                                     total_steps=ctx.cfg.steps, t_s=time.monotonic() - t0))
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            return 0

@@ -1,4 +1,4 @@
-"""`diloco run` (the main job) and `diloco init` (store a run configuration for separate hosts)."""
+"""`diloco run`: the main job on this machine (real processes, or the in-process engine)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import argparse
 import sys
 import time
 
-from ops.cli.common import (
-    add_config_args,
-    config_from_args,
-    fail,
-    make_corpus,
-    print_json,
-    write_json,
+from broker.errors import BrokerError
+from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cli.live import LiveView
+from ops.cluster import (
+    Launcher,
+    RedisServer,
+    RunFailed,
+    run_distributed,
+    run_inprocess,
+    store_run_config,
 )
-from ops.cluster import artifacts
-from pipeline.config import ConfigError, RunConfig
-from pipeline.engine import Engine
+from ops.tools import snapshot
+from pipeline import config as cfgmod
+from pipeline.config import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,59 +42,64 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args, base=default_demo_config())
+        cfg = config_from_args(args, base=cfgmod.demo_config())
     except (ConfigError, FileNotFoundError) as e:
         return fail(str(e))
     run_name = args.run or time.strftime("run-%Y%m%d-%H%M%S")
-    if args.engine == "inprocess":
-        return run_inprocess(cfg, run_name, args)
-    from ops.cluster.launcher import run_distributed
-
-    return run_distributed(cfg, run_name, args)
-
-
-def default_demo_config() -> RunConfig:
-    """The no-argument demo: a few minutes on a 2-core machine (see README)."""
-    from pipeline import config as cfgmod
-
-    return cfgmod.from_dict({
-        "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
-        "data": {"max_bytes": 4_000_000},
-        "inner": {"lr": 1e-3, "warmup_steps": 30, "batch_size": 16},
-        "sync": {"fragments": 2, "sync_every": 40},
-        "learners": 3, "steps": 1500,
-    })
-
-
-def run_inprocess(cfg: RunConfig, run_name: str, args: argparse.Namespace) -> int:
-    from ops.cluster.wire import codec_sizes
-
-    run_dir = artifacts.new_run_dir(args.out, run_name)
-    artifacts.write_config(run_dir, cfg)
-    log = artifacts.MetricsLog(run_dir / "metrics.jsonl")
     quiet = args.quiet or args.json
+    if args.engine == "inprocess":
+        summary = run_inprocess(cfg, run_name, out=args.out,
+                                on_eval=None if quiet else _print_eval)
+    elif cfg.mode == "ddp":
+        return fail("mode ddp runs only in the in-process engine (--engine inprocess)")
+    elif args.init_only:
+        return _init_only(cfg, run_name, args.redis_url)
+    else:
+        with LiveView(mode="quiet" if quiet else "auto",
+                      title=f"{run_name}: {cfg.mode}, M={cfg.learners}") as view:
+            def progress(la: Launcher, t_s: float) -> None:
+                snap = snapshot(la.sup.r, la.sup.keys, expected_learners=cfg.learners,
+                                total_steps=cfg.steps, t_s=t_s)
+                if la.history:
+                    snap["eval_loss"] = la.history[-1]["eval_loss"]
+                view.update(snap)
 
-    def on_event(kind: str, data: dict) -> None:
-        log.write(kind, data)
-        if not quiet and kind == "eval":
-            print(f"[{data['wall_s']:8.1f} s virtual] tokens {data['tokens']:>10,}  "
-                  f"eval loss {data['eval_loss']:.4f}  acc {data['eval_accuracy']:.3f}",
-                  file=sys.stderr)
-
-    engine = Engine(cfg, make_corpus(cfg), wire=codec_sizes(), on_event=on_event)
-    summary = engine.run()
-    log.write("summary", {k: v for k, v in summary.items() if k != "history"})
-    log.close()
-    artifacts.save_checkpoint(run_dir / "checkpoint.npz", engine.final_params, cfg)
-    artifacts.plot_loss(run_dir / "loss.png", {cfg.mode: summary["history"]},
-                        title=f"{cfg.mode}, M={cfg.learners} (in-process)")
-    summary["run_dir"] = str(run_dir)
-    write_json(run_dir / "summary.json", summary)
+            try:
+                summary = run_distributed(cfg, run_name, out=args.out,
+                                          redis_url=args.redis_url, progress=progress)
+            except KeyboardInterrupt:
+                print("interrupted: every process was stopped", file=sys.stderr)
+                return 130
+            except RunFailed as e:
+                return fail(str(e), 1)
+            except (ValueError, FileNotFoundError, BrokerError) as e:
+                return fail(str(e))
     if args.json:
         print_json({k: v for k, v in summary.items() if k != "history"})
     else:
         print_summary(summary)
     return 0
+
+
+def _init_only(cfg, run_name: str, redis_url: str | None) -> int:
+    """Store the configuration (in an embedded Redis that then stops, without --redis-url)."""
+    server = RedisServer().start() if redis_url is None else None
+    url = redis_url or server.url
+    try:
+        store_run_config(url, run_name, cfg)
+    except BrokerError as e:
+        return fail(str(e))
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"stored run {run_name!r} (config hash {cfg.run_hash()}) in {url}")
+    return 0
+
+
+def _print_eval(data: dict) -> None:
+    print(f"[{data['wall_s']:8.1f} s virtual] tokens {data['tokens']:>10,}  "
+          f"eval loss {data['eval_loss']:.4f}  acc {data['eval_accuracy']:.3f}",
+          file=sys.stderr)
 
 
 def print_summary(s: dict) -> None:

@@ -1,0 +1,15 @@
+"""Running a job on this machine: an embedded redis-server, the supervisor of a run's
+processes, the `diloco run` launcher (and its in-process twin), TCP proxies that cut links, and
+the run's output folder."""
+
+from ops.cluster import artifacts
+from ops.cluster.inprocess import run_inprocess
+from ops.cluster.launcher import Launcher, RunFailed, run_distributed
+from ops.cluster.netproxy import TcpProxy
+from ops.cluster.redis_server import RedisServer, free_port
+from ops.cluster.supervisor import Supervisor, global_params, role_cmd, store_run_config
+from ops.cluster.wire import codec_sizes
+
+__all__ = ["Launcher", "RedisServer", "RunFailed", "Supervisor", "TcpProxy", "artifacts",
+           "codec_sizes", "free_port", "global_params", "role_cmd", "run_distributed",
+           "run_inprocess", "store_run_config"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +40,12 @@ class MetricsLog:
         self._fh.close()
 
 
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented JSON (sorted keys), creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
 def write_config(run_dir: Path, cfg: RunConfig) -> None:
     (run_dir / "config.toml").write_text(cfgmod.dumps_toml(cfg))
 
@@ -53,8 +61,6 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:
-    import tomllib
-
     with np.load(path) as z:
         params = {k[len("param/"):]: z[k] for k in z.files if k.startswith("param/")}
         cfg = cfgmod.from_dict(tomllib.loads(str(z["config_toml"])))

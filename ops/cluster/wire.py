@@ -9,8 +9,7 @@ from pipeline.syncer import RoundResult
 
 
 def _push_bytes(push: Push, learner: str) -> int:
-    meta = codec.EntryMeta(learner, push.fragment, push.base_version, push.step, push.steps,
-                           push.tokens, next(iter(push.payload.values())).codec)
+    meta = codec.EntryMeta.of_push(learner, push, next(iter(push.payload.values())).codec)
     fields = codec.entry_fields(meta, push.payload)
     return sum(len(str(k)) + (len(v) if isinstance(v, bytes | str) else len(str(v)))
                for k, v in fields.items())

@@ -15,20 +15,18 @@ The ``--json`` output (keys documented on :func:`collect` and :func:`entry_stats
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Any
 
 import numpy as np
 import redis
 
-from broker import registry
 from broker.codec import parse_entry
-from broker.connection import connect
-from broker.errors import BrokerError, DecodeError
+from broker.errors import DecodeError
+from broker.ids import as_text, id_key
 from broker.keys import GROUP, FragmentKeys, RunKeys
 from pipeline.quant import dequantize
+from workers.common import open_run
 
 _PAGE = 64  # entries per XRANGE call: bounds the memory held by payloads in flight
 _CLOCK_SKEW_S = 300.0  # tolerated difference between the Redis and the syncer clocks
@@ -37,46 +35,9 @@ _CLOCK_SKEW_S = 300.0  # tolerated difference between the Redis and the syncer c
 # ----------------------------------------------------------------------------- run access
 
 
-def _s(v: bytes | str | None) -> str | None:
-    return v.decode(errors="replace") if isinstance(v, bytes) else v
-
-
-def open_run(redis_url: str, run: str):
-    """Connect to a run and load its stored configuration.
-
-    Args:
-        redis_url: URL of the run's Redis.
-        run: Run name.
-
-    Returns:
-        ``(client, RunKeys, RunConfig, run_hash, number_of_fragments)``.
-
-    Raises:
-        BrokerError: The run has no configuration in Redis.
-        ValueError: The run name is not a valid name.
-    """
-    import tomllib
-
-    from pipeline import config as cfgmod
-    from pipeline.fragments import partition
-    from pipeline.model import param_shapes
-
-    keys = RunKeys(run)
-    r = connect(redis_url)
-    toml_text, run_hash = registry.load_config(r, keys)
-    cfg = cfgmod.from_dict(tomllib.loads(toml_text))
-    n_frags = len(partition(param_shapes(cfg.model), cfg.effective_sync().fragments))
-    return r, keys, cfg, run_hash, n_frags
-
-
 def id_ms(entry_id: str) -> int:
     """The millisecond timestamp part of a stream id (``"1712345678901-0"`` → 1712345678901)."""
     return int(entry_id.partition("-")[0])
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def redis_time_s(r: redis.Redis) -> float:
@@ -116,9 +77,9 @@ def _group_info(r: redis.Redis, key: str) -> dict[str, Any]:
     """The ``syncers`` group of a stream: pending count and last delivered id (or Nones)."""
     try:
         for g in r.xinfo_groups(key):
-            if _s(g["name"]) == GROUP:
+            if as_text(g["name"]) == GROUP:
                 return {"pending": int(g["pending"]),
-                        "last_delivered_id": _s(g["last-delivered-id"])}
+                        "last_delivered_id": as_text(g["last-delivered-id"])}
     except redis.ResponseError:  # no stream yet
         pass
     return {"pending": 0, "last_delivered_id": None}
@@ -132,7 +93,7 @@ def _pending_rows(r: redis.Redis, key: str, count: int) -> dict[str, dict]:
         rows = r.xpending_range(key, GROUP, min="-", max="+", count=count)
     except redis.ResponseError:
         return {}
-    return {_s(row["message_id"]): row for row in rows}
+    return {as_text(row["message_id"]): row for row in rows}
 
 
 def _round_outcomes(r: redis.Redis, fk: FragmentKeys, oldest_id: str | None) -> dict:
@@ -165,7 +126,7 @@ def _round_outcomes(r: redis.Redis, fk: FragmentKeys, oldest_id: str | None) -> 
                 if drop:
                     reason = str(drop[1]) if len(drop) > 1 else None
                     out.setdefault(str(drop[0]), ("dropped", version, reason))
-        end = "(" + _s(batch[-1][0])
+        end = "(" + as_text(batch[-1][0])
 
 
 def _read_stream(r: redis.Redis, key: str, limit: int) -> list[tuple[str, dict]]:
@@ -177,7 +138,7 @@ def _read_stream(r: redis.Redis, key: str, limit: int) -> list[tuple[str, dict]]
             batch = r.xrevrange(key, max=end, min="-", count=min(_PAGE, limit - len(out)))
             if not batch:
                 break
-            out += [(_s(i), f) for i, f in batch]
+            out += [(as_text(i), f) for i, f in batch]
             end = "(" + out[-1][0]
         return out[::-1]
     start = "-"
@@ -185,16 +146,16 @@ def _read_stream(r: redis.Redis, key: str, limit: int) -> list[tuple[str, dict]]
         batch = r.xrange(key, min=start, max="+", count=_PAGE)
         if not batch:
             return out
-        out += [(_s(i), f) for i, f in batch]
+        out += [(as_text(i), f) for i, f in batch]
         start = "(" + out[-1][0]
 
 
 def _entry_record(p: int, entry_id: str, fields: dict, now_s: float) -> dict[str, Any]:
     """The documented per-entry record, before group and round information is added."""
     payload = fields.get(b"payload")
-    codec = _s(fields.get(b"codec"))
+    codec = as_text(fields.get(b"codec"))
     return {
-        "id": entry_id, "fragment": p, "learner": _s(fields.get(b"learner")),
+        "id": entry_id, "fragment": p, "learner": as_text(fields.get(b"learner")),
         "base_version": _int(fields, "base_version"), "step": _int(fields, "step"),
         "steps": _int(fields, "steps"), "tokens": _int(fields, "tokens"), "codec": codec,
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
@@ -223,20 +184,20 @@ def fragment_report(r: redis.Redis, keys: RunKeys, p: int, now_s: float,
         rec = _entry_record(p, entry_id, fields, now_s)
         if entry_id in pending:
             row = pending[entry_id]
-            rec.update(pending=True, consumer=_s(row["consumer"]), state="pending",
+            rec.update(pending=True, consumer=as_text(row["consumer"]), state="pending",
                        deliveries=int(row["times_delivered"]),
                        idle_s=int(row["time_since_delivered"]) / 1000.0)
         elif entry_id in outcomes:
             state, version, reason = outcomes[entry_id]
             rec.update(state=state, version=version, dropped_reason=reason)
-        elif last_delivered is None or _id_key(entry_id) > _id_key(last_delivered):
+        elif last_delivered is None or id_key(entry_id) > id_key(last_delivered):
             rec["state"] = "unread"
         entries.append(rec)
     for entry_id, fields in dlq_rows:
         rec = _entry_record(p, entry_id, fields, now_s)
         rec.update(state="dead_letter", dead_letter=True,
-                   dlq_reason=_s(fields.get(b"dlq_reason")),
-                   source_id=_s(fields.get(b"dlq_source_id")))
+                   dlq_reason=as_text(fields.get(b"dlq_reason")),
+                   source_id=as_text(fields.get(b"dlq_source_id")))
         entries.append(rec)
     last_round = r.xrevrange(fk.rounds, count=1)
     return {
@@ -269,7 +230,8 @@ def collect(redis_url: str, run: str, fragment: int | None = None,
     Raises:
         BrokerError: The run has no configuration; ValueError: bad fragment index.
     """
-    r, keys, _, _, n_frags = open_run(redis_url, run)
+    ctx = open_run(redis_url, run, wait_s=0)
+    r, keys, n_frags = ctx.r, ctx.keys, len(ctx.fragments)
     try:
         if fragment is not None and not 0 <= fragment < n_frags:
             raise ValueError(f"--fragment {fragment}: run {run!r} has fragments 0..{n_frags - 1}")
@@ -320,7 +282,7 @@ def _find_entry(r: redis.Redis, fk: FragmentKeys, entry_id: str,
     if rows:
         return rows[0][1], True
     for _, fields in _read_stream(r, fk.dlq, 0):
-        if _s(fields.get(b"dlq_source_id")) == entry_id:
+        if as_text(fields.get(b"dlq_source_id")) == entry_id:
             return fields, True
     return None
 
@@ -344,7 +306,8 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
     Raises:
         KeyError: No such entry in the fragment's stream or dead-letter stream.
     """
-    r, keys, _, _, n_frags = open_run(redis_url, run)
+    ctx = open_run(redis_url, run, wait_s=0)
+    r, keys, n_frags = ctx.r, ctx.keys, len(ctx.fragments)
     try:
         if not 0 <= fragment < n_frags:
             raise ValueError(f"--fragment {fragment}: run {run!r} has fragments 0..{n_frags - 1}")
@@ -358,9 +321,10 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
     payload = fields.get(b"payload")
     out: dict[str, Any] = {
         "run": run, "fragment": fragment, "id": entry_id, "dead_letter": dead,
-        "dlq_reason": _s(fields.get(b"dlq_reason")), "learner": _s(fields.get(b"learner")),
+        "dlq_reason": as_text(fields.get(b"dlq_reason")),
+        "learner": as_text(fields.get(b"learner")),
         **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens")},
-        "codec": _s(fields.get(b"codec")),
+        "codec": as_text(fields.get(b"codec")),
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
         "decode_error": None, "tensors": [], "total": {"numel": 0, "l2_norm": 0.0,
                                                        "finite": True},
@@ -449,48 +413,3 @@ def render_entry(rep: dict[str, Any]) -> str:
     lines.append(f"  total: {tot['numel']:,} values, L2 norm {tot['l2_norm']:.4g}, "
                  f"{'all finite' if tot['finite'] else 'NON-FINITE values present'}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``diloco inspect`` to the CLI."""
-    p = sub.add_parser("inspect", help="entries in flight in the fragment streams (and one "
-                       "payload's statistics with --entry)",
-                       description="List the entries of each fragment stream and its dead-letter "
-                       "stream, or with --entry ID --fragment P show one payload's per-tensor "
-                       "statistics after dequantising.")
-    p.add_argument("--redis-url", required=True, help="Redis of the run")
-    p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--fragment", type=int, metavar="P", help="only fragment P")
-    p.add_argument("--entry", metavar="ID", help="show one entry's payload statistics "
-                   "(needs --fragment; an id of the stream or of the dead-letter stream)")
-    p.add_argument("--dlq", action="store_true", help="with --entry: look the id up in the "
-                   "dead-letter stream only (ids are per stream and may repeat)")
-    p.add_argument("--limit", type=int, default=100, metavar="N",
-                   help="newest N entries per stream (0: all; default 100)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_inspect)
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    """Entry point of ``diloco inspect``; returns the exit code."""
-    from ops.cli.common import REDIS_DOWN, fail, fail_on, print_json
-
-    if args.entry is not None and args.fragment is None:
-        return fail("--entry needs --fragment P (the fragment whose stream holds the entry)")
-    try:
-        if args.entry is not None:
-            rep = entry_stats(args.redis_url, args.run, args.fragment, args.entry, args.dlq)
-            text = render_entry(rep)
-        else:
-            rep = collect(args.redis_url, args.run, args.fragment, max(0, args.limit))
-            text = render(rep)
-    except (KeyError, BrokerError, ValueError, *REDIS_DOWN) as e:
-        return fail_on(e)
-    if args.json:
-        print_json(rep)
-    else:
-        sys.stdout.write(text + "\n")
-    return 0

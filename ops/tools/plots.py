@@ -21,13 +21,16 @@ The figures are drawn with matplotlib's object API (no pyplot state).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from broker import registry
+from broker.errors import DecodeError
+from broker.ids import as_text
+from broker.records import RoundRecord
+from workers.common import open_run
 
 PLOTS = ("loss_tokens", "loss_wall", "rounds", "bytes")
 _DPI = 110
@@ -59,41 +62,19 @@ def read_metrics(path: Path) -> tuple[dict[str, list[dict]], int]:
     return out, bad
 
 
-def _text(v: Any) -> Any:
-    return v.decode(errors="replace") if isinstance(v, bytes) else v
-
-
 def normalize_round(fields: Mapping) -> dict[str, Any] | None:
     """A round record (Redis stream fields, bytes or str, or a metrics.jsonl record) as plain
     data; None when its version, fragment or time is missing or malformed."""
-    f = {_text(k): _text(v) for k, v in fields.items()}
-
-    def lst(key: str) -> list:
-        v = f.get(key)
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except ValueError:
-                return []
-        return [x for x in v if isinstance(x, list | tuple) and x] if isinstance(v, list) else []
-
-    def num(key: str, default: float | None = 0.0) -> float | None:
-        try:
-            x = float(f[key])
-        except (KeyError, TypeError, ValueError):
-            return default
-        return x if math.isfinite(x) else default
-
-    version, fragment, t = num("version", None), num("fragment", None), num("t", None)
-    if version is None or fragment is None or t is None:
+    try:
+        rec = RoundRecord.from_fields(fields, lenient=True)
+    except DecodeError:
         return None
-    return {"version": int(version), "fragment": int(fragment), "t": t,
-            "reason": str(f.get("reason") or ""),
-            "included": [[str(x[0]), str(x[1]) if len(x) > 1 else "?"] + list(x[2:4])
-                         for x in lst("included")],
-            "dropped": [[str(x[0]), str(x[1]) if len(x) > 1 else ""] for x in lst("dropped")],
-            "quorum_wait_s": max(0.0, num("quorum_wait_s")),
-            "grace_wait_s": max(0.0, num("grace_wait_s"))}
+    if rec.fragment < 0 or rec.t is None:
+        return None
+    return {"version": rec.version, "fragment": rec.fragment, "t": rec.t, "reason": rec.reason,
+            "included": [list(i) for i in rec.included],
+            "dropped": [[i, str(why)] for i, why in rec.dropped],
+            "quorum_wait_s": rec.quorum_wait_s, "grace_wait_s": rec.grace_wait_s}
 
 
 def read_redis(redis_url: str, run: str) -> tuple[list[dict[str, Any]], dict[str, dict]]:
@@ -103,10 +84,8 @@ def read_redis(redis_url: str, run: str) -> tuple[list[dict[str, Any]], dict[str
     Raises:
         BrokerError: The run has no configuration in Redis.
     """
-    from broker import registry
-    from ops.tools.inspect import open_run
-
-    r, keys, _, _, n_frags = open_run(redis_url, run)
+    ctx = open_run(redis_url, run, wait_s=0)
+    r, keys, n_frags = ctx.r, ctx.keys, len(ctx.fragments)
     rounds = []
     try:
         for p in range(n_frags):
@@ -116,9 +95,8 @@ def read_redis(redis_url: str, run: str) -> tuple[list[dict[str, Any]], dict[str
                 if not batch:
                     break
                 rounds += [rec for _, fields in batch if (rec := normalize_round(fields))]
-                start = "(" + _text(batch[-1][0])
-        finals = {k[len("final:"):]: v for k, v in registry.done_reports(r, keys).items()
-                  if k.startswith("final:") and isinstance(v, dict)}
+                start = "(" + as_text(batch[-1][0])
+        finals = {k: v.to_dict() for k, v in registry.learner_final_reports(r, keys).items()}
     finally:
         r.close()
     return rounds, finals
@@ -385,37 +363,3 @@ def make_plots(run_dir: str | Path, out_dir: str | Path | None = None,
         "rounds": {"metrics": len(from_metrics), "redis": len(from_redis),
                    "total": len(rounds)},
     }
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``diloco plot`` to the CLI."""
-    p = sub.add_parser("plot", help="PNG plots of a run folder (loss, rounds, bytes)",
-                       description="Plot loss vs tokens and wall time, a rounds timeline and "
-                       "bytes on the wire from RUN_DIR/metrics.jsonl (round records also from "
-                       "Redis with --redis-url).")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
-    p.add_argument("--out", metavar="DIR", help="folder for the PNGs (default: RUN_DIR)")
-    p.add_argument("--redis-url", help="read round records from this Redis too")
-    p.add_argument("--run", help="run name in Redis (default: RUN_DIR's folder name)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_plot)
-
-
-def run_plot(args: argparse.Namespace) -> int:
-    """Entry point of ``diloco plot``; returns the exit code."""
-    from broker.errors import BrokerError
-    from ops.cli.common import REDIS_DOWN, fail_on, print_json
-
-    try:
-        rep = make_plots(args.run_dir, args.out, args.redis_url, args.run)
-    except (FileNotFoundError, BrokerError, ValueError, *REDIS_DOWN) as e:
-        return fail_on(e)
-    if args.json:
-        print_json(rep)
-    else:
-        for name in PLOTS:
-            if rep["plots"][name]:
-                print(f"wrote {rep['plots'][name]}")
-            else:
-                print(f"skipped {name}: {rep['skipped'][name]}", file=sys.stderr)
-    return 0

@@ -20,9 +20,6 @@ record). The ``--json`` output is one object; its keys are documented in :func:`
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,12 +34,15 @@ from broker import archive as archmod
 from broker import codec, registry
 from broker.connection import connect
 from broker.errors import BrokerError, DecodeError
+from broker.ids import as_text, id_key
 from broker.keys import FragmentKeys, RunKeys
+from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import config as cfgmod
 from pipeline.fragments import partition
 from pipeline.model import init_params, param_shapes
-from pipeline.syncer import Contribution, FragmentSyncer, sent_hash
+from pipeline.quant import tensors_hash
+from pipeline.syncer import FragmentSyncer
 
 EXIT_OK, EXIT_DIVERGED, EXIT_UNUSABLE = 0, 1, 2
 _PAGE = 500
@@ -50,42 +50,6 @@ _PAGE = 500
 
 class _Unusable(Exception):
     """Replay cannot continue for a reason that is not a divergence (malformed input)."""
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``replay`` subcommand to the ``diloco`` parser.
-
-    Args:
-        sub: The subparsers object of the top-level parser.
-    """
-    p = sub.add_parser(
-        "replay", help="rebuild the global values offline and verify every round's hash",
-        description="Replay a run's rounds from its fragment streams (and archive) and verify "
-        "each new value bit for bit against the recorded hash. Exit 0: verified; 1: a "
-        "divergence (reported with the round's inputs); 2: unusable input.")
-    p.add_argument("--redis-url", required=True, help="Redis holding the run")
-    p.add_argument("--run", required=True, help="run name")
-    p.add_argument("--fragment", type=int, default=None, metavar="P",
-                   help="replay only fragment P (default: all)")
-    p.add_argument("--until", type=int, default=None, metavar="VERSION",
-                   help="stop after the round that produced VERSION")
-    p.add_argument("--archive", default=None, metavar="DIR",
-                   help="also read archived entries (msgpack files) from DIR")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``diloco replay``: print the report, return the exit code."""
-    report = replay(args.redis_url, args.run, fragment=args.fragment, until=args.until,
-                    archive_dir=args.archive)
-    if args.json:
-        json.dump(report, sys.stdout, sort_keys=True)
-        sys.stdout.write("\n")
-    else:
-        print(render(report))
-    sys.stdout.flush()
-    return exit_code(report)
 
 
 def exit_code(report: dict) -> int:
@@ -172,22 +136,22 @@ class _Replay:
         except (_Unusable, DecodeError, ValueError) as e:
             self.out["error"] = str(e)
         o = self.out
-        o["missing_entries"] = sorted(set(o["missing_entries"]), key=_id_key)
+        o["missing_entries"] = sorted(set(o["missing_entries"]), key=id_key)
         o["verified"] = o["divergence"] is None and not o["missing_entries"] and not o["error"]
         return o
 
     def _replay(self) -> None:
         core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync())
-        problem = self._check_snapshot(0, sent_hash(core.sent))
+        problem = self._check_snapshot(0, tensors_hash(core.sent))
         if problem:
             self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,
-                                                 sent_hash(core.sent), [], [])
+                                                 tensors_hash(core.sent), [], [])
             return
         records = self._records()
         for rid, rec in records:
-            if self.until is not None and rec["version"] > self.until:
+            if self.until is not None and rec.version > self.until:
                 return
-            inputs = self._fetch(rec["included"])
+            inputs = self._fetch(rec.included)
             if self.out["missing_entries"]:
                 self._list_missing(records)
                 return
@@ -199,9 +163,9 @@ class _Replay:
 
     # -- one round -----------------------------------------------------------------------------
 
-    def _round(self, core: FragmentSyncer, rid: str, rec: dict, inputs: dict) -> bool:
+    def _round(self, core: FragmentSyncer, rid: str, rec: RoundRecord, inputs: dict) -> bool:
         """Replay one round; False (with the divergence recorded) if anything differs."""
-        version, problems, rows, kind = rec["version"], [], [], ""
+        version, problems, rows, kind = rec.version, [], [], ""
 
         def bad(k: str, text: str) -> None:
             nonlocal kind
@@ -210,7 +174,7 @@ class _Replay:
 
         if version != core.version + 1:
             bad("version", f"record says version {version}, replay is at {core.version}")
-        for entry_id, learner, weight, staleness in rec["included"]:
+        for entry_id, learner, weight, staleness in rec.included:
             fields, source = inputs[entry_id]
             row = {"entry_id": entry_id, "source": source, "learner": learner,
                    "recorded_weight": weight, "recorded_staleness": staleness, "weight": None,
@@ -228,9 +192,8 @@ class _Replay:
             if meta.fragment != self.p or meta.learner != learner:
                 bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
                     f"{meta.fragment}, the record says learner {learner!r} fragment {self.p}")
-            c = Contribution(meta.learner, meta.fragment, meta.base_version, meta.step,
-                             meta.steps, meta.tokens, tensors, entry_id=entry_id,
-                             nbytes=len(fields.get(b"payload", b"")))
+            c = meta.contribution(tensors, entry_id=entry_id,
+                                  nbytes=len(fields.get(b"payload", b"")))
             ok, why = core.offer(c, 0.0)
             row["accepted"], row["refusal"] = ok, None if ok else why
             if not ok:
@@ -239,7 +202,7 @@ class _Replay:
                 continue
         recomputed = None
         if any(row["accepted"] for row in rows):
-            result = core.close(0.0, rec["reason"], float(rec.get("scale", 1.0)))
+            result = core.close(0.0, rec.reason, rec.scale)
             recomputed = result.sent_hash
             merged = {entry_id: (w, s) for entry_id, _, w, s in result.included}
             for row in rows:
@@ -252,13 +215,13 @@ class _Replay:
                 if row["staleness"] != row["recorded_staleness"]:
                     bad("staleness", f"entry {row['entry_id']}: staleness {row['staleness']}, "
                         f"recorded {row['recorded_staleness']}")
-            if result.sent_hash != rec["hash"]:
+            if result.sent_hash != rec.hash:
                 bad("hash", f"value hash {result.sent_hash} differs from the recorded "
-                    f"{rec['hash']}")
+                    f"{rec.hash}")
             for name in ("tokens", "steps"):
-                got = getattr(result, name)
-                if rec[name] is not None and got != rec[name]:
-                    bad("totals", f"{name}: {got}, recorded {rec[name]}")
+                got, recorded = getattr(result, name), getattr(rec, name)
+                if recorded is not None and got != recorded:
+                    bad("totals", f"{name}: {got}, recorded {recorded}")
             if not problems:
                 problem = self._check_snapshot(version, result.sent_hash)
                 if problem:
@@ -266,23 +229,28 @@ class _Replay:
         elif not problems:
             bad("record", "the record lists no merged entries")
         if problems:
-            self.out["divergence"] = _divergence(version, rid, rec["reason"], kind, problems,
-                                                 rec["hash"], recomputed, rows, rec["dropped"])
+            self.out["divergence"] = _divergence(
+                version, rid, rec.reason, kind, problems, rec.hash, recomputed, rows,
+                [[i, str(why)] for i, why in rec.dropped])
             return False
         return True
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def _records(self) -> Iterator[tuple[str, dict]]:
+    def _records(self) -> Iterator[tuple[str, RoundRecord]]:
         """The fragment's round records, oldest first, parsed (pages of XRANGE)."""
         start = "-"
         while True:
             page = self.r.xrange(self.fk.rounds, start, "+", count=_PAGE)
             for rid, fields in page:
-                yield _s(rid), _parse_record(_s(rid), fields)
+                try:
+                    rec = RoundRecord.from_fields(fields)
+                except DecodeError as e:
+                    raise _Unusable(f"round record {as_text(rid)} is malformed: {e}") from e
+                yield as_text(rid), rec
             if len(page) < _PAGE:
                 return
-            start = "(" + _s(page[-1][0])
+            start = "(" + as_text(page[-1][0])
 
     def _fetch(self, included: list) -> dict[str, tuple[dict, str]]:
         """Entry id → (raw fields, "redis" | "archive"); ids found nowhere go to the report."""
@@ -302,12 +270,12 @@ class _Replay:
             self.out["entries_from"][out[entry_id][1]] += 1
         return out
 
-    def _list_missing(self, records: Iterator[tuple[str, dict]]) -> None:
+    def _list_missing(self, records: Iterator[tuple[str, RoundRecord]]) -> None:
         """After a round with missing entries: list what the remaining rounds lack too."""
         for _, rec in records:
-            if self.until is not None and rec["version"] > self.until:
+            if self.until is not None and rec.version > self.until:
                 return
-            ids = [row[0] for row in rec["included"] if row[0] not in self.archived]
+            ids = [row[0] for row in rec.included if row[0] not in self.archived]
             pipe = self.r.pipeline(transaction=False)
             for entry_id in ids:
                 pipe.xrange(self.fk.frags, entry_id, entry_id)
@@ -322,7 +290,7 @@ class _Replay:
         if blob is None:
             return None
         header, tensors = codec.unpack_snapshot(blob, max_bytes=self.max_bytes)
-        stored = sent_hash(tensors)
+        stored = tensors_hash(tensors)
         if header.version != version or stored != recomputed:
             what = "the initial value from the configuration" if version == 0 else "replay"
             return (f"snapshot sent:{version} (version {header.version}, hash {stored}) differs "
@@ -375,35 +343,6 @@ def _divergence(version: int, record_id: str | None, reason: str, kind: str,
     return {"version": version, "record_id": record_id, "reason": reason, "kind": kind,
             "problems": problems, "recorded_hash": recorded, "recomputed_hash": recomputed,
             "inputs": inputs, "dropped": dropped}
-
-
-def _parse_record(rid: str, fields: dict) -> dict:
-    """The fields replay needs from a `:rounds` record, validated."""
-    f = {_s(k): _s(v) for k, v in fields.items()}
-    try:
-        included = json.loads(f["included"])
-        dropped = json.loads(f.get("dropped", "[]"))
-        rec = {"version": int(f["version"]), "hash": f["hash"], "reason": f.get("reason", ""),
-               "included": [(str(i), str(learner), float(w), int(s))
-                            for i, learner, w, s in included],
-               "dropped": [[str(i), str(why)] for i, why in dropped],
-               "tokens": int(f["tokens"]) if "tokens" in f else None,
-               "steps": int(f["steps"]) if "steps" in f else None,
-               "scale": float(f.get("scale", 1.0))}
-    except (KeyError, ValueError, TypeError) as e:
-        raise _Unusable(f"round record {rid} is malformed: {type(e).__name__}: {e}") from e
-    if len({i for i, *_ in rec["included"]}) != len(rec["included"]):
-        raise _Unusable(f"round record {rid} lists an entry twice")
-    return rec
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def render(report: dict) -> str:

@@ -1,60 +1,71 @@
-"""`diloco status`: a run's live learners, syncers, versions, rounds and stream lag."""
+"""`diloco status`: a run's live learners, syncers, versions, rounds and stream lag; and the
+progress snapshot that the live view of `run`, `chaos` and `status --watch` draws."""
 
 from __future__ import annotations
 
-import json
-import sys
+import re
 import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import redis
 
 from broker import registry
-from broker.connection import connect
+from broker.errors import DecodeError
+from broker.ids import as_text
 from broker.keys import GROUP, RunKeys
-from pipeline import config as cfgmod
+from broker.records import RoundRecord
+from workers.common import open_run
+
+STATES = ("training", "finished", "restarting", "gone")  # of a learner, in a progress snapshot
+ETA_MIN_PROGRESS = 0.02
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def natural_key(name: str) -> list:
+    """Sort key that puts L2 before L10."""
+    # re.split alternates str/int so the lists always compare
+    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", name))]
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
 
 
 def collect(redis_url: str, run: str) -> dict:
     """Everything `status` shows, as plain data (the stable `--json` output)."""
-    import tomllib
-
-    r = connect(redis_url)
-    keys = RunKeys(run)
-    toml_text, run_hash = registry.load_config(r, keys)
-    cfg = cfgmod.from_dict(tomllib.loads(toml_text))
-    from pipeline.fragments import partition
-    from pipeline.model import param_shapes
-
-    n_frags = len(partition(param_shapes(cfg.model), cfg.effective_sync().fragments))
+    ctx = open_run(redis_url, run, wait_s=0)
+    r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
     live = registry.live_learners(r, keys)
     learners = {}
-    for name, rec in sorted(registry.learner_records(r, keys).items()):
-        learners[name] = {"live": name in live, "last_heartbeat_age_s": time.time() - rec["t"],
-                          **{k: rec.get(k) for k in ("step", "tokens", "tokens_per_s", "step_s",
-                                                     "versions", "pushes_attempted",
-                                                     "pushes_acked", "bytes_sent",
-                                                     "bytes_received")}}
+    for name, hb in sorted(registry.learner_records(r, keys).items()):
+        learners[name] = {"live": name in live, "last_heartbeat_age_s": time.time() - hb.t,
+                          **{k: getattr(hb, k) for k in (
+                              "step", "tokens", "tokens_per_s", "step_s", "versions",
+                              "pushes_attempted", "pushes_acked", "bytes_sent",
+                              "bytes_received")}}
     fragments = []
     for p in range(n_frags):
         fk = keys.fragment(p)
         info = {"fragment": p, "stream_length": r.xlen(fk.frags), "dlq_length": r.xlen(fk.dlq),
                 "rounds": r.xlen(fk.rounds), "pending": 0, "lag": 0, "version": None,
-                "lease": _s(r.get(fk.lease)) if r.get(fk.lease) else None}
+                "lease": as_text(r.get(fk.lease)) if r.get(fk.lease) else None}
         try:
             for g in r.xinfo_groups(fk.frags):
-                if _s(g["name"]) == GROUP:
+                if as_text(g["name"]) == GROUP:
                     info["pending"] = int(g["pending"])
                     info["lag"] = int(g.get("lag") or 0)
-        except Exception:  # no stream/group yet
+        except redis.ResponseError:  # no stream or group yet
             pass
         last = r.xrevrange(fk.rounds, count=1)
         if last:
-            fields = last[0][1]
-            info["version"] = int(fields[b"version"])
-            info["last_reason"] = _s(fields[b"reason"])
-            info["last_included"] = len(json.loads(fields[b"included"]))
+            try:
+                rec = RoundRecord.from_fields(last[0][1], lenient=True)
+                info.update(version=rec.version, last_reason=rec.reason,
+                            last_included=len(rec.included))
+            except DecodeError as e:
+                info["last_reason"] = f"unreadable round record: {e}"
         elif r.exists(fk.global_):
             info["version"] = 0
         fragments.append(info)
@@ -67,7 +78,7 @@ def collect(redis_url: str, run: str) -> dict:
         "live_learners": sorted(live), "learners": learners,
         "syncers": registry.syncer_records(r, keys), "fragments": fragments,
         "rounds": sum(f["rounds"] for f in fragments),
-        "done": sorted(registry.done_reports(r, keys)),
+        "done": registry.done_names(r, keys),
     }
 
 
@@ -91,12 +102,100 @@ def render(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def watch(redis_url: str, run: str) -> int:
-    try:
-        while True:
-            text = render(collect(redis_url, run))
-            sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
-            sys.stdout.flush()
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        return 0
+def learner_state(learner: str, *, live: Iterable[str], finished: Iterable[str],
+                  restarting: Iterable[str] = ()) -> str:
+    """State of one learner: finished, else training, else restarting, else gone.
+
+    Args:
+        learner: learner id.
+        live: ids whose heartbeat TTL key is alive.
+        finished: ids with a ``final:<id>`` done report.
+        restarting: ids the supervisor is restarting right now.
+    """
+    if learner in finished:
+        return "finished"
+    if learner in live:
+        return "training"
+    if learner in restarting:
+        return "restarting"
+    return "gone"
+
+
+def build_snapshot(records: Mapping[str, dict], live: Iterable[str], finals: Mapping[str, dict],
+                   syncers: Mapping[str, dict], *, syncers_done: Iterable[str] = (),
+                   expected_learners: int, total_steps: int,
+                   restarting: Iterable[str] = frozenset(), t_s: float) -> dict:
+    """The snapshot of already-read registry contents (see `snapshot` for the Redis side).
+
+    Args:
+        records: learner id → last heartbeat record.
+        live: learner ids whose heartbeat is alive.
+        finals: learner id → its end-of-run report (the learner finished).
+        syncers: syncer id → syncer record.
+        syncers_done: syncers that closed their final rounds.
+        expected_learners: learners in the configuration.
+        total_steps: steps each learner trains for.
+        restarting: learner ids being restarted by a supervisor.
+        t_s: seconds since the run started.
+
+    Returns:
+        The snapshot dict described in the module docstring. Progress is the mean over
+        max(expected, seen) learners of min(step, total) / total, a finished learner counting 1.
+    """
+    live, restarting = frozenset(live), frozenset(restarting)
+    syncer_done = frozenset(syncers_done)
+    learners = []
+    for lid in sorted(set(records) | set(finals), key=natural_key):
+        rec, final = records.get(lid, {}), finals.get(lid)
+        state = learner_state(lid, live=live, finished=finals, restarting=restarting)
+        step, versions = rec.get("step"), rec.get("versions")
+        if final is not None:  # the final report is newer than the last heartbeat
+            step = final.get("steps", step)
+            versions = final.get("versions", versions)
+        learners.append({"id": lid, "state": state, "step": step,
+                         "tokens_per_s": rec.get("tokens_per_s"), "loss": rec.get("loss"),
+                         "versions": versions})
+    fractions = []
+    for ln in learners:
+        step = _number(ln["step"]) or 0.0
+        if ln["state"] == "finished":
+            fractions.append(1.0)
+        elif total_steps > 0:
+            fractions.append(min(max(step, 0.0), total_steps) / total_steps)
+        else:
+            fractions.append(0.0)
+    progress = sum(fractions) / max(expected_learners, len(learners), 1)
+    eta = t_s * (1.0 - progress) / progress if progress > ETA_MIN_PROGRESS else None
+    syncer_rows = []
+    for sid in sorted(set(syncers) | syncer_done, key=natural_key):
+        rec = syncers.get(sid, {})
+        syncer_rows.append({"id": sid, "rounds": rec.get("rounds"),
+                            "quorum_wait_s": rec.get("quorum_wait_s"),
+                            "grace_wait_s": rec.get("grace_wait_s"),
+                            "last_reason": rec.get("last_reason"), "done": sid in syncer_done})
+    return {"t_s": t_s, "total_steps": total_steps, "expected_learners": expected_learners,
+            "learners": learners, "syncers": syncer_rows, "progress": progress, "eta_s": eta}
+
+
+def snapshot(r: redis.Redis, keys: RunKeys, *, expected_learners: int, total_steps: int,
+             restarting: frozenset[str] = frozenset(), t_s: float) -> dict:
+    """Read the run registry and return a progress snapshot (for `ops.cli.live.LiveView`).
+
+    Args:
+        r: Redis client.
+        keys: key names of the run.
+        expected_learners: learners in the configuration.
+        total_steps: steps each learner trains for.
+        restarting: learner ids the supervisor is restarting (none for `status --watch`).
+        t_s: seconds since the run started.
+
+    Returns:
+        The snapshot dict; the caller may add ``eval_loss``.
+    """
+    return build_snapshot(
+        {k: h.to_dict() for k, h in registry.learner_records(r, keys).items()},
+        registry.live_learners(r, keys),
+        {k: f.to_dict() for k, f in registry.learner_final_reports(r, keys).items()},
+        registry.syncer_records(r, keys), syncers_done=registry.syncer_final_reports(r, keys),
+        expected_learners=expected_learners, total_steps=total_steps, restarting=restarting,
+        t_s=t_s)

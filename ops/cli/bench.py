@@ -1,0 +1,104 @@
+"""`diloco bench quality|overlap|pipeline|memory|latency|s1|s2`: the benchmarks' command line.
+
+The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
+prints progress lines, the results and picks the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ops.bench import pipeline, quality, resilience
+from ops.cli.common import add_config_args, config_from_args, fail
+
+_PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on ÷ off"),
+             ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
+             ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
+             ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results for BENCHMARKS.md)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    q = bsub.add_parser("quality", help="ddp vs sync-diloco vs decoupled at equal tokens")
+    add_config_args(q, mode=False)
+    q.add_argument("--out", default="runs/bench-quality", help="output folder")
+    q.add_argument("--only", default="", help="comma-separated subset of variant names")
+    q.add_argument("--frontier", default="", metavar="H,H,...",
+                   help="also run decoupled at these sync intervals H with both codec pairs")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_quality)
+    for name, fn, text in _PIPELINE:
+        b = bsub.add_parser(name, help=text)
+        b.add_argument("--out", default=f"runs/bench-{name}")
+        b.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+        b.set_defaults(func=lambda args, fn=fn: _pipeline(fn, args))
+    for name, text in (("s1", "goodput under learner failures"),
+                       ("s2", "stragglers: speeds 1, 1, 1, 1/3")):
+        b = bsub.add_parser(name, help=text)
+        b.add_argument("--duration", type=float, default=300.0 if name == "s1" else 180.0)
+        b.add_argument("--pace-s", type=float, default=0.2)
+        b.add_argument("--kill-every-s", type=float, default=30.0)
+        b.add_argument("--down-s", type=float, default=5.0)
+        b.add_argument("--seeds", default="1",
+                       help="comma-separated seeds, one side-by-side run each (s1: the kill "
+                            "schedule; s2: model initialisation and data order)")
+        b.add_argument("--out", default=f"runs/bench-{name}")
+        if name == "s2":
+            b.add_argument("--variants", default=",".join(resilience.S2_VARIANTS[:3]),
+                           help="comma-separated subset of: " + "; ".join(
+                               resilience.S2_VARIANTS))
+        b.set_defaults(func=_resilience)
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+def _quality(args: argparse.Namespace) -> int:
+    try:
+        base = config_from_args(args, base=quality.bench_model_config())
+        frontier = [int(x) for x in args.frontier.split(",") if x.strip()]
+    except ValueError as e:
+        return fail(str(e))
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
+                              progress=_progress))
+    return 0
+
+
+def _pipeline(fn, args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = fn(quick=args.quick)
+    result["machine"] = pipeline.machine()
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _resilience(args: argparse.Namespace) -> int:
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        if not seeds:
+            raise ValueError
+    except ValueError:
+        return fail(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    common = {"duration_s": args.duration, "pace_s": args.pace_s, "progress": _progress}
+    if args.bench == "s1":
+        doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
+                            down_s=args.down_s, **common)
+    else:
+        try:
+            names = resilience.variant_names(args.variants)
+        except ValueError as e:
+            return fail(str(e))
+        doc = resilience.s2(Path(args.out), seeds, names, **common)
+    d = resilience.digest(doc)
+    print(json.dumps(d["runs"], indent=1))
+    print(json.dumps({"summary": d["summary"]}, indent=1))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,58 @@
+"""`diloco chaos`: a full run under injected faults, with Jepsen-style accounting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+from ops.chaos import load_schedule, random_schedule, run_chaos
+from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cluster import artifacts
+from pipeline import config as cfgmod
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chaos", help="a full run under injected faults, with accounting")
+    add_config_args(p)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of training")
+    p.add_argument("--schedule", help="TOML file of [[fault]] at_s/kind/target/down_s")
+    p.add_argument("--kill-every-s", type=float, default=30.0,
+                   help="random schedule: mean seconds between learner kills (0: none)")
+    p.add_argument("--pause-every-s", type=float, default=0.0)
+    p.add_argument("--down-s", type=float, default=5.0, help="random schedule: downtime")
+    p.add_argument("--pace-s", type=float, default=0.1, help="inner step wall time per learner")
+    p.add_argument("--standby", action="store_true", help="start a standby syncer")
+    p.add_argument("--out", default="runs")
+    p.add_argument("--run", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args, base=replace(cfgmod.demo_config(), steps=10**6))
+        if args.schedule:
+            schedule = load_schedule(args.schedule)
+        else:
+            rates = {k: v for k, v in (("kill-learner", args.kill_every_s),
+                                       ("pause-learner", args.pause_every_s)) if v > 0}
+            schedule = random_schedule(cfg.seed, args.duration, rates, args.down_s,
+                                       quiet_tail_s=min(20.0, args.duration / 5))
+    except (cfgmod.ConfigError, OSError) as e:
+        return fail(str(e))
+    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
+    run_dir = artifacts.new_run_dir(args.out, run)
+    rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
+                    pace_s=args.pace_s, standby=args.standby)
+    (run_dir / "chaos.json").write_text(json.dumps(rep, indent=1))
+    if args.json:
+        print_json({k: v for k, v in rep.items() if k != "history"})
+    else:
+        for k in ("pushes_attempted", "pushes_acked", "merged", "dropped_stale",
+                  "dead_lettered", "duplicated", "lost", "rounds", "availability", "goodput",
+                  "rejoin_s_p50", "rejoin_s_max"):
+            print(f"{k:18s} {rep[k]}")
+        print(f"faults injected: {len(rep['faults'])}; report in {run_dir / 'chaos.json'}")
+    return 0 if rep["lost"] == 0 else 1

@@ -1,0 +1,185 @@
+"""One supervisor for a run's processes on this machine: `diloco run` and `diloco chaos` use it.
+
+It starts the same processes an operator starts by hand on separate hosts (`diloco syncer`,
+`diloco learner`, as ``python -m workers.<role>``), each with its log file under
+``<run_dir>/logs``; it restarts, signals, kills and stops them, reports their exit codes, and
+reads the global model (the syncers' committed fp32 state) to evaluate it. It never prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import redis
+
+from broker import registry
+from broker.connection import connect
+from broker.errors import BrokerError
+from broker.keys import RunKeys
+from broker.state import unpack_state
+from pipeline.config import RunConfig
+from pipeline.data import Corpus
+from pipeline.fragments import partition
+from pipeline.model import param_shapes
+from pipeline.train import evaluate
+
+log = logging.getLogger("diloco.supervisor")
+
+
+def global_params(r: redis.Redis, keys: RunKeys,
+                  n_frags: int) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The global Θ (fp32) of every fragment, from the syncers' committed state.
+
+    Raises:
+        BrokerError: A fragment has no committed state yet.
+    """
+    params: dict[str, np.ndarray] = {}
+    versions = []
+    for p in range(n_frags):
+        blob = r.get(keys.fragment(p).state)
+        if blob is None:
+            raise BrokerError(f"fragment {p} has no committed state")
+        st = unpack_state(blob)
+        params.update({k: np.asarray(v, np.float32) for k, v in st["theta"].items()})
+        versions.append(int(st["version"]))
+    return params, versions
+
+
+def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
+    """Store the run configuration; False if the same one was stored already."""
+    from pipeline import config as cfgmod
+
+    r = connect(redis_url)
+    try:
+        return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
+    finally:
+        r.close()
+
+
+def role_cmd(role: str, redis_url: str, run: str, *args: str) -> list[str]:
+    """The command line of one role process (``syncer`` or ``learner``)."""
+    return [sys.executable, "-m", f"workers.{role}", "--redis-url", redis_url, "--run", run,
+            *args]
+
+
+class Supervisor:
+    """The processes of one run on this machine, and its global model.
+
+    Args:
+        cfg: The run configuration.
+        run: Run name.
+        redis_url: The Redis every process uses (the supervisor's own client too).
+        run_dir: The run's output folder; logs go to ``run_dir/logs/<name>.log``.
+    """
+
+    def __init__(self, cfg: RunConfig, run: str, redis_url: str, run_dir: Path):
+        self.cfg = cfg
+        self.run = run
+        self.url = redis_url
+        self.keys = RunKeys(run)
+        self.logs = run_dir / "logs"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cmds: dict[str, list[str]] = {}
+        self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        self.r = connect(redis_url)
+        self._eval_batches = None
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def spawn(self, name: str, cmd: list[str] | None = None) -> None:
+        """Start process `name` (with `cmd`, or the command it was last started with)."""
+        if cmd is not None:
+            self.cmds[name] = cmd
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out,
+                                                stderr=subprocess.STDOUT)
+
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each process's exit code (None while it runs)."""
+        return {name: p.poll() for name, p in self.procs.items()}
+
+    def kill(self, name: str) -> None:
+        """SIGKILL process `name` and reap it."""
+        p = self.procs[name]
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to process `name` (SIGSTOP/SIGCONT for pauses)."""
+        self.procs[name].send_signal(sig)
+
+    def wait(self, name: str, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for process `name` to exit; True if it did."""
+        try:
+            self.procs[name].wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """Ask every process to stop (Redis stop key, then SIGTERM); kill what outlives
+        `timeout_s`."""
+        try:
+            registry.request_stop(self.r, self.keys)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("could not set the stop key (%s); signalling the processes", e)
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in self.procs:
+            if not self.wait(name, max(0.1, deadline - time.monotonic())):
+                self.kill(name)
+
+    def kill_all(self) -> None:
+        """Kill every process still running (a paused one is continued first, so it dies)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+                p.wait()
+
+    # -- the global model -----------------------------------------------------------------------
+
+    def global_model(self) -> tuple[dict[str, np.ndarray], list[int]]:
+        """The global parameters and each fragment's version (see :func:`global_params`)."""
+        return global_params(self.r, self.keys, len(self.frags))
+
+    def evaluate(self, corpus: Corpus) -> dict:
+        """Evaluation loss and accuracy of the global model on the held-out split.
+
+        Returns:
+            ``{"eval_loss", "eval_accuracy", "versions"}``.
+
+        Raises:
+            BrokerError: A fragment has no committed state yet.
+            redis.ConnectionError, redis.TimeoutError: Redis did not answer.
+        """
+        params, versions = self.global_model()
+        return {**self.evaluate_params(params, corpus), "versions": versions}
+
+    def evaluate_params(self, params: dict[str, np.ndarray], corpus: Corpus) -> dict:
+        """Evaluation loss and accuracy of `params` on the held-out split."""
+        if self._eval_batches is None:
+            self._eval_batches = corpus.eval_batches(self.cfg.data.eval_batches,
+                                                     self.cfg.inner.batch_size)
+        m = evaluate({k: jnp.asarray(v) for k, v in params.items()}, self._eval_batches,
+                     self.cfg.model)
+        return {"eval_loss": m["loss"], "eval_accuracy": m["accuracy"]}
+
+    def close(self) -> None:
+        """Kill what still runs and close the Redis client."""
+        self.kill_all()
+        self.r.close()

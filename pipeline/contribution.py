@@ -1,0 +1,98 @@
+"""What one learner contributes to one fragment, on both sides of the wire.
+
+:class:`Push` is what a learner sends (δ = base − θ, quantised for the up link),
+:class:`Contribution` what the syncer's state machine merges (the same numbers as received),
+and :class:`Reason` with its :class:`Drop` kind says why a contribution was refused. Pure data:
+the wire encoding is `broker.codec`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from pipeline import quant
+
+
+@dataclass
+class Push:
+    """A contribution to send: δ = base − θ of one fragment, quantised for the up link."""
+
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    payload: dict[str, quant.QTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(quant.payload_nbytes(q) for q in self.payload.values())
+
+
+class Drop(StrEnum):
+    """Why the syncer refused a contribution (the kind; the text says more)."""
+
+    DUPLICATE = "duplicate"        # seen before (a retried XADD): acknowledged, not recorded
+    DEFER = "defer"                # its learner is already in the open round: offered again
+    STALE = "stale"                # anchored more than max_staleness versions back
+    UNANCHORED = "unanchored"      # its base version is no longer held
+    AHEAD = "ahead"                # its base version is newer than the global version
+    EMPTY = "empty"                # no steps or no tokens
+    SHAPE = "shape"                # tensors that do not match the fragment
+    NON_FINITE = "non-finite"      # NaN or inf values
+    MALFORMED = "malformed"        # an internally inconsistent quantised tensor
+    OTHER = "other"                # a reason text this version does not know
+
+
+_DROP_TEXT = (  # how each kind's text begins: reads reasons recorded as text (round records)
+    (Drop.DUPLICATE, "duplicate"), (Drop.DEFER, "defer"), (Drop.STALE, "stale"),
+    (Drop.UNANCHORED, "base version ", " no longer held"),
+    (Drop.AHEAD, "base version ", " is ahead of"), (Drop.EMPTY, "empty contribution"),
+    (Drop.SHAPE, "tensors do not match"), (Drop.NON_FINITE, "non-finite"),
+    (Drop.MALFORMED, "malformed"))
+
+
+class Reason(str):
+    """The text of a refusal, with its :class:`Drop` kind (``reason.kind``). It is a str, so it
+    goes into round records and logs as its text."""
+
+    kind: Drop
+
+    def __new__(cls, kind: Drop, text: str = "") -> Reason:
+        obj = super().__new__(cls, text or kind.value)
+        obj.kind = kind
+        return obj
+
+    @classmethod
+    def of(cls, text: str) -> Reason:
+        """The reason a recorded text stands for (its kind from the text's known form)."""
+        for kind, head, *tail in _DROP_TEXT:
+            if text.startswith(head) and all(t in text for t in tail):
+                return cls(kind, text)
+        return cls(Drop.OTHER, text)
+
+    def __reduce__(self):
+        return (Reason, (self.kind, str(self)))
+
+
+@dataclass
+class Contribution:
+    """One push: δ = base − θ of one fragment from one learner, quantised or fp32."""
+
+    learner: str
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    delta: dict[str, quant.QTensor | np.ndarray]  # as received (decoded inside the merge)
+    entry_id: str = ""
+    nbytes: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Identity for deduplication: (learner, base_version, step)."""
+        return (self.learner, self.base_version, self.step)

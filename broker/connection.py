@@ -25,7 +25,6 @@ try:  # redis-py internals (stable across 5.x–8.x); without them, its default 
 except ImportError:  # pragma: no cover
     _PACKER = None
 
-from broker.errors import BrokerConnectionError
 
 
 def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
@@ -45,10 +44,3 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
         health_check_interval=30, decode_responses=False,
         **({"command_packer": _PACKER} if _PACKER is not None else {}))
 
-
-def ping(client: redis.Redis) -> None:
-    """Raise BrokerConnectionError with the URL-free reason if Redis does not answer."""
-    try:
-        client.ping()
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise BrokerConnectionError(f"Redis did not answer: {e}") from e

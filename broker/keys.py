@@ -93,12 +93,6 @@ class RunKeys:
     def heartbeat(self, learner: str) -> str:
         return self._hb + learner
 
-    def heartbeat_pattern(self) -> str:
-        return self._hb + "*"
-
-    def learner_of_heartbeat(self, key: str) -> str:
-        return key[len(self._hb):]
-
     def fragment(self, p: int) -> FragmentKeys:
         return FragmentKeys(self.run, p)
 

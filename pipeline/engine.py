@@ -374,9 +374,3 @@ class Engine:
         }
 
 
-def global_after(cfg: RunConfig, corpus: Corpus) -> tuple[dict, dict[str, np.ndarray]]:
-    """Run the engine; return (summary, final global parameters as numpy)."""
-    eng = Engine(cfg, corpus)
-    summary = eng.run()
-    return summary, {k: np.asarray(v) for k, v in eng.final_params.items()}
-

@@ -75,22 +75,6 @@ class QTensor(NamedTuple):
     block: int
 
 
-def data_dtype(codec: str) -> np.dtype:
-    """Return the dtype of ``QTensor.data`` for ``codec``.
-
-    Args:
-        codec: One of :data:`CODECS`.
-
-    Returns:
-        The little-endian numpy dtype of the payload array.
-
-    Raises:
-        ValueError: If the codec is unknown.
-    """
-    _check_codec(codec)
-    return _DATA_DTYPE[codec]
-
-
 def data_nbytes(codec: str, n: int) -> int:
     """Return the payload byte length of an ``n``-element tensor under ``codec``."""
     _check_codec(codec)

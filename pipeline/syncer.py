@@ -75,8 +75,8 @@ class FragmentSyncer:
     Args:
         fragment: fragment index.
         theta: the initial global value (version 0) or the restored one.
-        outer_cfg, sync_cfg: outer optimiser and sync policy.
-        learners: number of learners (for the quorum).
+        outer_cfg, sync_cfg: outer optimiser and sync policy (quorum, grace, codecs).
+        version: the version of `theta`.
     """
 
     def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,

@@ -19,8 +19,12 @@ import msgpack
 import pytest
 import redis
 
+from broker import registry
+from broker.errors import BrokerError
 from broker.keys import RunKeys
+from ops.cli import main
 from ops.tools import replay as replay_mod
+from pipeline import config as cfgmod
 
 FIXTURE = Path(__file__).parent / "fixtures" / "legacy_run"
 RUN = "legacy"
@@ -40,10 +44,11 @@ def current_key(keys: RunKeys, old: bytes) -> str:
     return fk.global_ if role == "global" else getattr(fk, role)
 
 
-def restore(r: redis.Redis, dump: dict) -> None:
+def restore(r: redis.Redis, dump: dict, *, rename: bool = True) -> None:
+    """Write the dumped keys: under today's names, or (``rename=False``) as recorded."""
     keys = RunKeys(RUN)
     for old, kind, content in dump["keys"]:
-        key, kind = current_key(keys, old), kind.decode()
+        key, kind = current_key(keys, old) if rename else old, kind.decode()
         if kind == "string":
             r.set(key, content)
         elif kind == "hash":
@@ -54,14 +59,17 @@ def restore(r: redis.Redis, dump: dict) -> None:
                 r.xadd(key, dict(fields), id=entry_id)
 
 
-@pytest.fixture
-def legacy_url(redis_url):
+def load_dump() -> dict:
     dump = msgpack.unpackb((FIXTURE / "run.msgpack").read_bytes(), raw=True,
                            strict_map_key=False)
-    dump = {k.decode(): v for k, v in dump.items()}
+    return {k.decode(): v for k, v in dump.items()}
+
+
+@pytest.fixture
+def legacy_url(redis_url):
     r = redis.Redis.from_url(redis_url)
     try:
-        restore(r, dump)
+        restore(r, load_dump())
     finally:
         r.close()
     return redis_url
@@ -82,3 +90,21 @@ def test_recorded_run_without_its_archive_is_incomplete(legacy_url):
     report = replay_mod.replay(legacy_url, RUN)
     assert report["status"] == "incomplete"
     assert all(f["missing_entries"] for f in report["fragments"])
+
+
+def test_a_run_under_the_old_key_names_is_refused(redis_url, capsys):
+    r = redis.Redis.from_url(redis_url)
+    try:
+        restore(r, load_dump(), rename=False)
+        report = replay_mod.replay(redis_url, RUN)
+        assert report["status"] == "incomplete"
+        assert "stored by an earlier version" in report["error"]
+        assert main(["status", "--redis-url", redis_url, "--run", RUN]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "stored by an earlier version" in err[0]
+        # nor is a new run started over it under the same name
+        cfg = cfgmod.load(FIXTURE / "run.toml")
+        with pytest.raises(BrokerError, match="earlier version"):
+            registry.store_config(r, RunKeys(RUN), cfgmod.dumps_toml(cfg), cfg.run_hash())
+    finally:
+        r.close()

@@ -240,4 +240,3 @@ def test_helpers() -> None:
     assert quant.data_nbytes("int4", 5) == 3
     assert quant.data_nbytes("bf16", 5) == 10
     assert quant.num_blocks(0, 64) == 0 and quant.num_blocks(65, 64) == 2
-    assert quant.data_dtype("int8") == np.dtype(np.int8)

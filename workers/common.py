@@ -1,4 +1,5 @@
-"""What both roles do on start: connect, fetch and check the run configuration, lay out shapes."""
+"""Opening a run: connect, fetch and check the stored run configuration, lay out shapes and
+fragments. Both roles do this on start, and so does every tool that reads a run."""
 
 from __future__ import annotations
 

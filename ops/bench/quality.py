@@ -1,6 +1,4 @@
-"""`diloco bench`: benchmarks whose results go to BENCHMARKS.md.
-
-``quality`` runs the in-process engine at equal tokens: ddp vs sync-diloco vs decoupled
+"""`diloco bench quality`: the in-process engine at equal tokens: ddp vs sync-diloco vs decoupled
 (int4 up / bf16 down, and bf16 both ways), plus two ablations (radial-directional averaging
 vs plain mean; K=1 with vs without the grace window with learner speeds 1, 1, 1, 1/3), and
 reports final loss and accuracy, the gap to ddp and the measured bandwidth ratio.

@@ -44,6 +44,7 @@ def base_config() -> RunConfig:
 
 
 Progress = Callable[[str], None]
+Live = Callable[[object, float], None]  # run_chaos's progress callback (the live view)
 
 
 def _quiet(_: str) -> None:
@@ -51,11 +52,11 @@ def _quiet(_: str) -> None:
 
 
 def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
-             corpus, delays=None, progress: Progress = _quiet) -> dict:
+             corpus, delays=None, progress: Progress = _quiet, live: Live | None = None) -> dict:
     run = name.replace(" ", "-").replace("/", "-").replace("+", "p")
     t0 = time.monotonic()
     rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
-                    delays_s=delays or {}, eval_every_s=10.0, corpus=corpus)
+                    delays_s=delays or {}, eval_every_s=10.0, corpus=corpus, progress=live)
     rep["bench_wall_s"] = time.monotonic() - t0
     rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
     progress(f"{name:24s} goodput {rep['goodput']:.3f} availability "
@@ -65,7 +66,8 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
 
 
 def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
-       kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet) -> dict:
+       kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet,
+       live: Live | None = None) -> dict:
     """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
     the kill schedule). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
                                    down_s, quiet_tail_s=15.0)
         runs[seed] = {mode: _variant(cfgmod.override(base, mode=mode), out / f"seed{seed}",
                                      mode, schedule, duration_s, pace_s, corpus,
-                                     progress=progress)
+                                     progress=progress, live=live)
                       for mode in ("decoupled", "sync-diloco")}
         runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
     summary = {
@@ -100,7 +102,7 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
 
 
 def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: float = 180.0,
-       pace_s: float = 0.2, progress: Progress = _quiet) -> dict:
+       pace_s: float = 0.2, progress: Progress = _quiet, live: Live | None = None) -> dict:
     """S2, a straggler (speeds 1, 1, 1, 1/3): the variants side by side per seed (the seed
     picks the model initialisation and data order). Writes ``s2.json`` and ``s2.png``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +113,7 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
         corpus = run_corpus(base)
         variants = {name: _s2_config(base, name) for name in variant_names}
         results = {name: _variant(cfg, out / f"seed{seed}", name, [], duration_s,
-                                  pace_s, corpus, slow, progress)
+                                  pace_s, corpus, slow, progress, live)
                    for name, cfg in variants.items()}
         for rep in results.values():
             rep["tail_mean_eval_loss"] = _tail_mean(rep["history"], TAIL_S)

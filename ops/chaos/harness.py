@@ -1,12 +1,13 @@
-"""`diloco chaos`: a full run under injected faults, a supervisor, and Jepsen-style accounting.
+"""The chaos harness: a full run under injected faults, and its Jepsen-style accounting.
 
 The harness starts its own redis-server (AOF, appendfsync everysec, restartable on the same
-port), one syncer (and optionally a standby), and M learners. Each learner reaches Redis and the
+port), one syncer (and optionally a standby), and M learners, all through the run's
+:class:`~ops.cluster.Supervisor`. Each learner reaches Redis and the
 syncers' PUB sockets through its own TCP proxies, so one learner can be cut off the network.
 Faults come from a schedule — scripted (at t, do X to Y for D seconds) or random (Poisson per
 fault kind, seeded) — and every injected fault is written to the run's events stream. What the
 harness kills it restarts (learners with the same id and state folder, so they resume).
-At the end it stops the run (learners flush, syncers close final rounds) and prints the report
+At the end it stops the run (learners flush, syncers close final rounds) and returns the report
 of `ops.chaos.ledger.account`.
 """
 
@@ -16,6 +17,7 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,6 +65,7 @@ class ChaosRun:
         self.history: list[dict] = []
         self.crashes: dict[str, int] = {}
         self.eval_failures: list[dict] = []
+        self.duration_s = 0.0  # of the supervised part (set by supervise)
         self.gave_up: set[str] = set()
         self.max_crashes = 3
 
@@ -232,10 +235,19 @@ class ChaosRun:
         self.t_start = time.time()
         self.t0 = time.monotonic()
 
-    def supervise(self, schedule: list[Fault], duration_s: float, corpus=None) -> None:
+    def restarting(self) -> frozenset[str]:
+        """Learners the harness took down (killed, paused or cut off) and will bring back."""
+        return frozenset(n for n in (*self.down, *self.paused, *self.cut) if n.startswith("L"))
+
+    def supervise(self, schedule: list[Fault], duration_s: float, corpus=None,
+                  progress: Callable[[ChaosRun, float], None] | None = None) -> None:
+        """Inject the schedule's faults and bring back what they took down, for `duration_s`
+        after every learner has taken a step; `progress` is called about once a second with
+        the harness and the seconds since then."""
+        self.duration_s = duration_s
         self.wait_until_training()
         todo = list(schedule)
-        next_eval = self.t0
+        next_eval = next_progress = self.t0
         while True:
             now = time.monotonic()
             rel = now - self.t0
@@ -248,6 +260,9 @@ class ChaosRun:
                     "redis" not in self.down:
                 self._evaluate(corpus)
                 next_eval = now + self.eval_every_s
+            if progress is not None and now >= next_progress and "redis" not in self.down:
+                progress(self, rel)
+                next_progress = now + 1.0
             learners_done = all(self.procs[f"L{m}"].poll() == 0 or f"L{m}" in self.gave_up
                                 for m in range(self.cfg.learners))
             if learners_done or (rel >= duration_s and not self.down and not self.paused
@@ -310,10 +325,11 @@ def run_chaos(cfg: RunConfig, run_dir: Path, run: str, schedule: list[Fault], du
               **kwargs) -> dict:
     """Start, supervise for `duration_s` (then stop and flush), account; always clean up."""
     corpus = kwargs.pop("corpus", None)
+    progress = kwargs.pop("progress", None)
     chaos = ChaosRun(cfg, run_dir, run, **kwargs)
     try:
         chaos.start()
-        chaos.supervise(schedule, duration_s, corpus)
+        chaos.supervise(schedule, duration_s, corpus, progress)
         return chaos.finish(corpus=corpus)
     finally:
         chaos.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ops.bench import pipeline, quality, resilience
 from ops.cli.common import add_config_args, config_from_args, fail
+from ops.cli.live import LiveView, chaos_view
 
 _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on ÷ off"),
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="comma-separated seeds, one side-by-side run each (s1: the kill "
                             "schedule; s2: model initialisation and data order)")
         b.add_argument("--out", default=f"runs/bench-{name}")
+        b.add_argument("--quiet", action="store_true", help="no live progress")
         if name == "s2":
             b.add_argument("--variants", default=",".join(resilience.S2_VARIANTS[:3]),
                            help="comma-separated subset of: " + "; ".join(
@@ -87,16 +89,19 @@ def _resilience(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         return fail(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    common = {"duration_s": args.duration, "pace_s": args.pace_s, "progress": _progress}
-    if args.bench == "s1":
-        doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
-                            down_s=args.down_s, **common)
-    else:
-        try:
-            names = resilience.variant_names(args.variants)
-        except ValueError as e:
-            return fail(str(e))
-        doc = resilience.s2(Path(args.out), seeds, names, **common)
+    view = LiveView(mode="quiet" if args.quiet else "auto", title=f"bench {args.bench}")
+    common = {"duration_s": args.duration, "pace_s": args.pace_s, "progress": _progress,
+              "live": chaos_view(view)}
+    try:
+        names = resilience.variant_names(args.variants) if args.bench == "s2" else []
+    except ValueError as e:
+        return fail(str(e))
+    with view:
+        if args.bench == "s1":
+            doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
+                                down_s=args.down_s, **common)
+        else:
+            doc = resilience.s2(Path(args.out), seeds, names, **common)
     d = resilience.digest(doc)
     print(json.dumps(d["runs"], indent=1))
     print(json.dumps({"summary": d["summary"]}, indent=1))

@@ -7,8 +7,10 @@ import json
 import time
 from dataclasses import replace
 
+from broker.keys import check_run_name
 from ops.chaos import load_schedule, random_schedule, run_chaos
 from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cli.live import LiveView, chaos_view
 from ops.cluster import artifacts
 from pipeline import config as cfgmod
 
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs")
     p.add_argument("--run", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no live progress")
     p.set_defaults(func=_cli)
 
 
@@ -42,10 +45,15 @@ def _cli(args: argparse.Namespace) -> int:
                                        quiet_tail_s=min(20.0, args.duration / 5))
     except (cfgmod.ConfigError, OSError) as e:
         return fail(str(e))
-    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
+    try:
+        run = check_run_name(args.run or time.strftime("chaos-%Y%m%d-%H%M%S"))
+    except ValueError as e:
+        return fail(str(e))
     run_dir = artifacts.new_run_dir(args.out, run)
-    rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
-                    pace_s=args.pace_s, standby=args.standby)
+    with LiveView(mode="quiet" if args.json or args.quiet else "auto",
+                  title=f"chaos {run}: M={cfg.learners}") as view:
+        rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
+                        pace_s=args.pace_s, standby=args.standby, progress=chaos_view(view))
     (run_dir / "chaos.json").write_text(json.dumps(rep, indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "history"})

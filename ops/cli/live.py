@@ -25,7 +25,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ops.tools import STATES, natural_key
+from ops.tools import STATES, natural_key, snapshot
 
 _SHORT = {"training": "train", "finished": "fin", "restarting": "restart", "gone": "gone"}
 _STYLE = {"training": "green", "finished": "cyan", "restarting": "yellow", "gone": "red"}
@@ -149,6 +149,21 @@ def render_rich(snap: Mapping, title: str = "") -> Group:
     if _number(snap.get("eval_loss")) is not None:
         out.append(Text(f"eval loss {_fmt(snap['eval_loss'], '.4f')}", style="bold"))
     return Group(*out)
+
+
+def chaos_view(view: LiveView) -> Callable[[Any, float], None]:
+    """A chaos run's progress callback that draws `view`: progress in time to the run's
+    duration, learners the harness took down shown as restarting."""
+    def update(chaos: Any, t_s: float) -> None:
+        snap = snapshot(chaos.r, chaos.keys, expected_learners=chaos.cfg.learners,
+                        total_steps=chaos.cfg.steps, restarting=chaos.restarting(), t_s=t_s)
+        if chaos.duration_s > 0:
+            snap["progress"] = min(1.0, t_s / chaos.duration_s)
+            snap["eta_s"] = max(0.0, chaos.duration_s - t_s)
+        if chaos.history:
+            snap["eval_loss"] = chaos.history[-1]["eval_loss"]
+        view.update(snap)
+    return update
 
 
 class LiveView:

@@ -7,6 +7,7 @@ import sys
 import time
 
 from broker.errors import BrokerError
+from broker.keys import check_run_name
 from ops.cli.common import add_config_args, config_from_args, fail, print_json
 from ops.cli.live import LiveView
 from ops.cluster import (
@@ -45,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, base=cfgmod.demo_config())
     except (ConfigError, FileNotFoundError) as e:
         return fail(str(e))
-    run_name = args.run or time.strftime("run-%Y%m%d-%H%M%S")
+    try:
+        run_name = check_run_name(args.run or time.strftime("run-%Y%m%d-%H%M%S"))
+    except ValueError as e:
+        return fail(str(e))
     quiet = args.quiet or args.json
     if args.engine == "inprocess":
         summary = run_inprocess(cfg, run_name, out=args.out,

@@ -149,6 +149,11 @@ class FragmentStreams:
             return True
         return bool(self._renew(keys=[key], args=[owner.encode(), lease_ms]))
 
+    def lease_holder(self, p: int) -> str | None:
+        """The id of the syncer holding the fragment's lease (None: nobody)."""
+        holder = self.r.get(self.keys.fragment(p).lease)
+        return None if holder is None else as_text(holder)
+
     def release_lease(self, p: int, owner: str) -> None:
         key = self.keys.fragment(p).lease
         pipe = self.r.pipeline(transaction=True)

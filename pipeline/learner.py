@@ -138,11 +138,14 @@ class LearnerCore:
         params = dict(params)
         if f is None:
             # A round this learner had no part in: move onto the new global value but keep the
-            # local progress since the old base, θ ← θ + (Θ_new − base). δ = base − θ is
+            # local progress since the old base, θ ← Θ_new + (θ − base). δ = base − θ is
             # unchanged and now anchored at the new version, so the next push is fresh (not
-            # stale) and no inner step is thrown away.
+            # stale) and no inner step is thrown away. Written this way round, a learner with
+            # no progress since its base (θ = base) lands on Θ_new exactly, as one that
+            # overwrites does: θ + (Θ_new − base) can differ from Θ_new in the last bit, and
+            # learners would end a run with values that differ by rounding.
             for n in self.fragments[p]:
-                params[n] = jnp.asarray(np.asarray(params[n]) + (value[n] - self.base[p][n]),
+                params[n] = jnp.asarray(value[n] + (np.asarray(params[n]) - self.base[p][n]),
                                         jnp.float32)
             self.base[p] = value
             self.base_version[p] = version

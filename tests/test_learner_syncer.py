@@ -191,6 +191,21 @@ def test_value_without_push_in_flight_rebases_and_keeps_local_progress():
     assert core.base_version == [0, 1]
 
 
+def test_a_learner_without_progress_rebases_exactly_onto_the_value():
+    """θ = base (no step since): the new value is taken bit for bit, as an overwrite would,
+    so learners that end a run this way hold identical values. The values are chosen so that
+    θ + (Θ_new − base) rounds away from Θ_new in fp32."""
+    base = {"wte": BASE["wte"], FC: np.array([0.1, 1e-3, 3.3], F32)}
+    core = LearnerCore("a", FRAGS, CFG, base, [0, 0])
+    params = {k: jnp.asarray(v) for k, v in base.items()}
+    value = {FC: np.array([1e8, 7.7, -2.9e-3], F32)}
+    assert not np.array_equal(base[FC] + (value[FC] - base[FC]), value[FC])  # the old rule
+    assert core.on_global(1, 1, value)
+    params = core.apply_due(0, params)
+    np.testing.assert_array_equal(np.asarray(params[FC]), value[FC])
+    assert core.base_version[1] == 1 and core.steps[1] == 0
+
+
 def test_value_far_ahead_also_rebases():
     core, params = make()
     params, _ = run(core, params, [1])

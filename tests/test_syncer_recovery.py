@@ -376,3 +376,31 @@ def test_waiting_round_does_not_inflate_delivery_counts_of_its_own_entries(r, re
     reasons = [e[b"dlq_reason"].decode() for e in dlq_entries(r, fk)]
     assert reasons == [], f"{reasons}; L0's entry was delivered {held} times while waiting"
     assert_merged_once(r, keys, [first, second])
+
+
+def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url):
+    """Redis down longer than the lease (its client's retries hide the outage) or back from
+    its AOF without the lease: the commit finds no lease. Nobody else holds it, so the syncer
+    retakes it and commits the round, which is merged once."""
+    cfg = recovery_config()
+    run = "expired"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+    ctx = open_run(redis_url, run, wait_s=5.0)
+    zctx = zmq.Context()
+    s = Syncer(SyncerConfig(redis_url, run, max_rounds=1), ctx, zctx)
+    try:
+        s.start()
+        r.delete(fk.lease)
+        s._next_lease = float("inf")  # no renewal before the commit: it meets the gap
+        wait_for(lambda: s.poll_once(), timeout_s=10, what="the round")
+        assert r.get(fk.lease) == b"syncer-0"
+    finally:
+        s.pub.close()
+        for p in s.owned:
+            s.streams.release_lease(p, "syncer-0")
+        ctx.r.close()
+        zctx.term()
+    assert_merged_once(r, keys, ids)
+    assert state_version(r, fk) == 1

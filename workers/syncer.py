@@ -360,10 +360,20 @@ class Syncer:
         f.recent.append((record, acks))
         f.snapshots[result.version] = snapshot
         f.snapshots.pop(oldest, None)
-        self.streams.commit_round(
-            p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=snapshot,
-            version=result.version, record=record.to_fields(), ack_ids=acks,
-            drop_sent_version=oldest if oldest >= 0 else None)
+        try:
+            self.streams.commit_round(
+                p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=snapshot,
+                version=result.version, record=record.to_fields(), ack_ids=acks,
+                drop_sent_version=oldest if oldest >= 0 else None)
+        except LeaseLost:
+            if self.streams.lease_holder(p) is not None:
+                raise  # another syncer owns the fragment now: this one stops
+            # The lease expired under us: Redis was down (redis-py's retries hid it) or came
+            # back from its AOF without it. Retake every lease and re-commit what Redis lacks,
+            # this round included (it is in f.recent), as after an outage.
+            log.warning("fragment %d: lease expired before the commit of v%d; retaking it and "
+                        "re-committing", p, result.version)
+            self._resync()
         self.cfg.faults.at("after", self.stats.commits)
         self._publish(p, result.version, result.sent)
         f.core.record_sync_time(time.monotonic() - t0)

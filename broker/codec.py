@@ -72,14 +72,14 @@ class EntryMeta:
     @classmethod
     def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
                 final: bool = False) -> EntryMeta:
-        """The entry of a learner's push (:class:`pipeline.learner.Push`)."""
+        """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
         return cls(learner, push.fragment, push.base_version, push.step, push.steps,
                    push.tokens, codec, seconds, final)
 
     def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
                      nbytes: int = 0) -> Contribution:
-        """The contribution the syncer's state machine merges (:class:`pipeline.syncer.
-        Contribution`)."""
+        """The contribution the syncer's state machine merges
+        (:class:`pipeline.contribution.Contribution`)."""
         return Contribution(self.learner, self.fragment, self.base_version, self.step,
                             self.steps, self.tokens, dict(tensors), entry_id=entry_id,
                             nbytes=nbytes)

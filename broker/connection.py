@@ -26,7 +26,6 @@ except ImportError:  # pragma: no cover
     _PACKER = None
 
 
-
 def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
             retries: int = 6) -> redis.Redis:
     """A binary-safe client for `url` with timeouts above `block_ms` and retries.
@@ -43,4 +42,3 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
         retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30, decode_responses=False,
         **({"command_packer": _PACKER} if _PACKER is not None else {}))
-

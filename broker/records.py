@@ -6,11 +6,13 @@ holds the others:
 
 * :class:`RoundRecord` — one closed round, an entry of a fragment's ``:rounds`` stream;
 * :class:`Heartbeat` — a learner's last heartbeat, a field of the run's ``:learners`` hash;
+* :class:`SyncerInfo` — a syncer's record (PUB endpoint, fragments, counters), a field of the
+  run's ``:syncers`` hash;
 * the end-of-run reports in the run's ``:done`` hash: :class:`FinalPushes` (which fragments a
   learner pushed a final contribution for), :class:`LearnerFinal` (a learner's totals and the
   hashes of its final values) and :class:`SyncerFinal` (the final versions of a syncer's
   fragments);
-* :class:`~pipeline.syncer.Drop`, the kind of a refused contribution (re-exported here).
+* :class:`~pipeline.contribution.Drop`, the kind of a refused contribution (re-exported here).
 
 Every reader decodes through these types; a malformed record raises
 :class:`~broker.errors.DecodeError`. Values read from Redis may be bytes or str.
@@ -32,8 +34,8 @@ from broker.ids import as_text
 from broker.keys import FragmentKeys
 from pipeline.contribution import Drop, Reason
 
-__all__ = ["Drop", "Reason", "RoundRecord", "Included", "Heartbeat", "FinalPushes",
-           "LearnerFinal", "SyncerFinal", "read_rounds"]
+__all__ = ["Drop", "Reason", "RoundRecord", "Included", "Heartbeat", "SyncerInfo",
+           "FinalPushes", "LearnerFinal", "SyncerFinal", "read_rounds"]
 
 
 def _num(v: Any, what: str) -> float:
@@ -97,10 +99,6 @@ class RoundRecord:
     syncer: str = ""
     t: float | None = None
 
-    @property
-    def stream_id(self) -> str:
-        return f"{self.version}-0"
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (a metrics.jsonl ``round`` record)."""
         d = dataclasses.asdict(self)
@@ -144,27 +142,34 @@ class RoundRecord:
                     return default
                 raise
 
-        def rows(key: str, width: int) -> list:
+        def rows(key: str, build, width: int) -> tuple:
+            """The rows of a list field, each built by `build`; lenient: bad rows left out."""
             value = get(key, _json, [], required=key == "included")
             if not isinstance(value, list):
                 if lenient:
-                    return []
+                    return ()
                 raise DecodeError(f"round record {version}: {key} is not a list")
-            out = [x for x in value if isinstance(x, list) and len(x) >= width] if lenient \
-                else value
-            if not lenient and not all(isinstance(x, list) and len(x) == width for x in value):
-                raise DecodeError(f"round record {version}: malformed {key}")
-            return out
+            out = []
+            for row in value:
+                try:
+                    if not isinstance(row, list) or len(row) != width:
+                        raise ValueError(f"a row of {key} is not a list of {width}")
+                    out.append(build(*row))
+                except (TypeError, ValueError) as e:
+                    if not lenient:
+                        raise DecodeError(f"round record {version}: {key}: {e}") from e
+            return tuple(out)
 
+        included = rows("included", lambda e, who, w, s: Included(str(e), str(who), float(w),
+                                                                   int(s)), 4)
+        dropped = rows("dropped", lambda e, why: (str(e), Reason.of(str(why))), 2)
+        seconds = get("seconds", _json, [])
         try:
-            included = tuple(Included(str(e), str(learner), float(w), int(s))
-                             for e, learner, w, s, *_ in rows("included", 4))
-            dropped = tuple((str(e), Reason.of(str(why))) for e, why, *_ in rows("dropped", 2))
-            seconds = tuple(float(x) for x in get("seconds", _json, []) or [])
+            seconds = tuple(float(x) for x in seconds)
         except (TypeError, ValueError) as e:
             if not lenient:
-                raise DecodeError(f"round record {version}: {e}") from e
-            included, dropped, seconds = (), (), ()
+                raise DecodeError(f"round record {version}: seconds: {e}") from e
+            seconds = ()
         if len(set(i.entry_id for i in included)) != len(included) and not lenient:
             raise DecodeError(f"round record {version} lists an entry twice")
         if "hash" not in f and not lenient:
@@ -249,6 +254,26 @@ class Heartbeat(_JsonRecord):
     bytes_sent: int = 0
     bytes_received: int = 0
     snapshots_read: int = 0
+
+
+@dataclass(frozen=True)
+class SyncerInfo(_JsonRecord):
+    """A syncer's registry record: where learners subscribe, what it owns, its counters."""
+
+    t: float = 0.0
+    endpoint: str = ""
+    fragments: list[int] = field(default_factory=list)
+    pid: int | None = None
+    host: str | None = None
+    rounds: int = 0
+    versions: dict[str, int] = field(default_factory=dict)
+    last_reason: str = ""
+    merged: int = 0
+    dropped: int = 0
+    dead_lettered: int = 0
+    quorum_wait_s: float = 0.0
+    grace_wait_s: float = 0.0
+    sync_time_s: float = 0.0
 
 
 @dataclass(frozen=True)

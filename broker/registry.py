@@ -18,7 +18,7 @@ import redis
 from broker.errors import BrokerError, ConfigMismatch, DecodeError
 from broker.ids import as_text
 from broker.keys import RunKeys
-from broker.records import FinalPushes, Heartbeat, LearnerFinal, SyncerFinal
+from broker.records import FinalPushes, Heartbeat, LearnerFinal, SyncerFinal, SyncerInfo
 
 EVENTS_MAX = 100_000
 log = logging.getLogger("diloco.registry")
@@ -108,18 +108,19 @@ def _decoded(raw: dict, cls, what: str) -> dict:
     return out
 
 
-def register_syncer(r: redis.Redis, keys: RunKeys, syncer: str, info: dict[str, Any]) -> None:
-    r.hset(keys.syncers, syncer, json.dumps({**info, "t": time.time()}))
+def register_syncer(r: redis.Redis, keys: RunKeys, syncer: str, info: SyncerInfo) -> None:
+    """Write the syncer's record (stamped with the time now)."""
+    r.hset(keys.syncers, syncer, dataclasses.replace(info, t=time.time()).to_json())
 
 
-def syncer_records(r: redis.Redis, keys: RunKeys) -> dict[str, dict]:
-    return {as_text(k): json.loads(v) for k, v in r.hgetall(keys.syncers).items()}
+def syncer_records(r: redis.Redis, keys: RunKeys) -> dict[str, SyncerInfo]:
+    """Each syncer's record (a malformed record is left out, and logged)."""
+    return _decoded(r.hgetall(keys.syncers), SyncerInfo, "syncer record")
 
 
 def endpoints(r: redis.Redis, keys: RunKeys) -> list[str]:
     """PUB endpoints advertised by the run's syncers."""
-    return sorted({rec["endpoint"] for rec in syncer_records(r, keys).values()
-                   if rec.get("endpoint")})
+    return sorted({rec.endpoint for rec in syncer_records(r, keys).values() if rec.endpoint})
 
 
 def event(r: redis.Redis, keys: RunKeys, kind: str, pipe: redis.client.Pipeline | None = None,

@@ -372,5 +372,3 @@ class Engine:
             "wall_s": float(wall_s),
             "history": self.history,
         }
-
-

@@ -231,4 +231,3 @@ class LearnerCore:
         """Treat fragment p's contribution in flight as never sent (its entry is not in Redis):
         its progress stays counted and goes out with the next push."""
         self.inflight[p] = None
-

@@ -110,7 +110,7 @@ class FragmentSyncer:
     def contributors(self) -> frozenset[str]:
         return frozenset(self._round.contributors)
 
-    def offer(self, c: Contribution, now_s: float) -> tuple[bool, str]:
+    def offer(self, c: Contribution, now_s: float) -> tuple[bool, str | Reason]:
         """Accumulate a contribution into the open round, or say why not.
 
         Returns ``(accepted, reason)``: ``"accepted"``, or a :class:`Reason` whose ``kind`` is a

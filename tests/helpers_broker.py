@@ -236,7 +236,7 @@ class SyncerThread:
 
 def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
                     ) -> tuple[int, dict[str, np.ndarray]]:
-    """Feed `contributions` (pipeline.syncer.Contribution) to a fresh pure FragmentSyncer at
+    """Feed `contributions` (pipeline.contribution.Contribution) to a fresh pure FragmentSyncer at
     version 0 and close one round: (version, the down-link values learners decode)."""
     from pipeline.model import init_params
     from pipeline.syncer import FragmentSyncer

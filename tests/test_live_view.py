@@ -11,7 +11,7 @@ import redis
 
 from broker import registry
 from broker.keys import RunKeys
-from broker.records import FinalPushes, Heartbeat, LearnerFinal
+from broker.records import FinalPushes, Heartbeat, LearnerFinal, SyncerInfo
 from ops.cli.live import LiveView, format_line
 from ops.tools import build_snapshot, snapshot
 
@@ -124,8 +124,8 @@ def test_snapshot_reads_redis(redis_url):
     registry.mark_final_pushes(r, keys, "L0", FinalPushes(steps=50))  # not finished yet
     for lid in ("L2", "L3"):
         registry.heartbeat(r, keys, lid, Heartbeat(step=20), ttl_s=0.05)
-    registry.register_syncer(r, keys, "S0", {"rounds": 3, "quorum_wait_s": 0.01,
-                                             "grace_wait_s": 0.0, "last_reason": "grace"})
+    registry.register_syncer(r, keys, "S0", SyncerInfo(rounds=3, quorum_wait_s=0.01,
+                                                       last_reason="grace"))
     deadline = time.monotonic() + 5.0
     while registry.live_learners(r, keys) != {"L0", "L1"} and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -22,7 +22,7 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
-from broker.records import Heartbeat
+from broker.records import Heartbeat, SyncerInfo
 from broker.streams import FragmentStreams, LeaseLost
 from pipeline import config as cfgmod
 
@@ -336,9 +336,9 @@ def test_live_learners_follow_heartbeat_ttl(r, keys):
 
 
 def test_syncer_endpoints_and_stop(r, keys):
-    registry.register_syncer(r, keys, "s0", {"endpoint": "tcp://127.0.0.1:5000"})
-    registry.register_syncer(r, keys, "s1", {"endpoint": "tcp://127.0.0.1:5001"})
-    registry.register_syncer(r, keys, "s1", {"endpoint": "tcp://127.0.0.1:5002"})
+    registry.register_syncer(r, keys, "s0", SyncerInfo(endpoint="tcp://127.0.0.1:5000"))
+    registry.register_syncer(r, keys, "s1", SyncerInfo(endpoint="tcp://127.0.0.1:5001"))
+    registry.register_syncer(r, keys, "s1", SyncerInfo(endpoint="tcp://127.0.0.1:5002"))
     assert registry.endpoints(r, keys) == ["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5002"]
     assert not registry.stop_requested(r, keys)
     registry.request_stop(r, keys)

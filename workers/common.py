@@ -31,17 +31,25 @@ class RunContext:
 
 
 def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
-             wait_s: float = 30.0) -> RunContext:
+             wait_s: float = 30.0, verify: bool = True) -> RunContext:
     """Connect and load the run configuration stored in Redis (waiting up to `wait_s`).
 
+    Args:
+        verify: check that the stored configuration hashes to the stored run hash (every
+            process that takes part in the run, and replay); the read-only tools (status,
+            inspect, plot, export) show a run whatever wrote it and pass False.
+
     Raises:
+        BrokerError: The run has no configuration (or is stored under old key names).
+        ConfigError: The stored configuration does not match its hash (with `verify`).
         ConfigMismatch: `expect_hash` is given and differs from the stored hash.
+        ValueError: The run name is not a valid name.
     """
     keys = RunKeys(run)
     probe = connect(redis_url)
     toml_text, run_hash = registry.load_config(probe, keys, wait_s=wait_s)
     cfg = cfgmod.from_dict(tomllib.loads(toml_text))
-    if cfg.run_hash() != run_hash:
+    if verify and cfg.run_hash() != run_hash:
         raise cfgmod.ConfigError(f"stored configuration of run {run!r} does not match its hash")
     if expect_hash is not None:
         registry.check_config(probe, keys, expect_hash)
@@ -77,4 +85,3 @@ def enable_compile_cache(path: Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-

@@ -28,7 +28,7 @@ from broker.codec import EntryMeta
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import Publisher
-from broker.records import Drop, Included, RoundRecord, SyncerFinal
+from broker.records import Drop, Included, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
@@ -192,15 +192,16 @@ class Syncer:
     def _snapshot(self, core: FragmentSyncer) -> bytes:
         return codec.pack_snapshot(self.ctx.keys.run, core.fragment, core.version, core.sent)
 
-    def _info(self) -> dict:
+    def _info(self) -> SyncerInfo:
         st = self.stats
-        return {"endpoint": self.pub.endpoint, "fragments": self.owned, "pid": os.getpid(),
-                "host": socket.gethostname(), "rounds": st.rounds,
-                "versions": {str(p): f.core.version for p, f in self.frags.items()},
-                "last_reason": st.last_reason, "merged": st.merged, "dropped": st.dropped,
-                "dead_lettered": st.dead_lettered, "quorum_wait_s": st.quorum_wait_s,
-                "grace_wait_s": st.grace_wait_s, "sync_time_s": max(
-                    (f.core.sync_time_s for f in self.frags.values()), default=0.0)}
+        return SyncerInfo(
+            endpoint=self.pub.endpoint, fragments=list(self.owned), pid=os.getpid(),
+            host=socket.gethostname(), rounds=st.rounds,
+            versions={str(p): f.core.version for p, f in self.frags.items()},
+            last_reason=st.last_reason, merged=st.merged, dropped=st.dropped,
+            dead_lettered=st.dead_lettered, quorum_wait_s=st.quorum_wait_s,
+            grace_wait_s=st.grace_wait_s, sync_time_s=max(
+                (f.core.sync_time_s for f in self.frags.values()), default=0.0))
 
     # -- entries ---------------------------------------------------------------------------------
 

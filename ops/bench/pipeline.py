@@ -47,7 +47,7 @@ BIG = {"model": {"d_model": 288, "n_layers": 4, "n_heads": 4, "seq_len": 64},
 
 
 def machine() -> str:
-
+    """This machine in one line (for the benchmarks' JSON)."""
     return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"{platform.system()} {platform.release()}")
 
@@ -64,11 +64,6 @@ def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
           tensors: dict[str, quant.QTensor]) -> dict:
     return codec.entry_fields(codec.EntryMeta(learner, p, base, step, 10, 10 * 1024,
                                               cfg.sync.codec_up, seconds=1.0), tensors)
-
-
-def _store(url: str, run: str, cfg: RunConfig) -> None:
-    r = connect(url)
-    registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
 
 
 # -- pipeline efficiency -----------------------------------------------------------------------
@@ -95,7 +90,7 @@ def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4") -> 
                             "sync": {**BIG["sync"], "quorum": M, "codec_up": codec_up}})
     p = 1
     with RedisServer(appendonly=False) as srv:
-        _store(srv.url, "bench", cfg)
+        store_run_config(srv.url, "bench", cfg)
         ctx = open_run(srv.url, "bench")
         zctx = zmq.Context()
         syncer = Syncer(SyncerConfig(srv.url, "bench", fragments=(p,)), ctx, zctx)
@@ -153,7 +148,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
     cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
     p = 1
     with RedisServer(appendonly=False) as srv:
-        _store(srv.url, "bench", cfg)
+        store_run_config(srv.url, "bench", cfg)
         proc = subprocess.Popen([sys.executable, "-m", "workers.syncer", "--redis-url", srv.url,
                                  "--run", "bench", "--fragments", str(p)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -234,7 +229,6 @@ def bench_overlap(quick: bool = False) -> dict:
     """One learner pinned to CPU 0, the syncer and redis-server pinned to CPU 1 (a learner
     with its own core, as on separate hosts), run twice: syncing on, then off (`--no-sync`,
     same process otherwise). The steady inner-step rate of the two is compared."""
-
 
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     steps = 300 if quick else 1500

@@ -21,15 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
-
 from ops.chaos import random_schedule, run_chaos
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.data import run_corpus
-
-matplotlib.use("Agg")
 
 
 def base_config() -> RunConfig:
@@ -209,6 +204,11 @@ def digest(doc: dict) -> dict:
 
 def _plot(path: Path, runs: dict, title: str) -> None:
     """Loss vs wall time, one panel per seed, fault windows shaded."""
+    import matplotlib  # here, not at import: every `diloco` command would pay for pyplot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 3.6 * len(runs)), dpi=110,
                              squeeze=False)
     for ax, (seed, results) in zip(axes[:, 0], runs.items(), strict=True):

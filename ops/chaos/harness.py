@@ -14,6 +14,7 @@ of `ops.chaos.ledger.account`.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import time
@@ -37,20 +38,21 @@ from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.model import param_shapes
 
+log = logging.getLogger("diloco.chaos")
+
 
 class ChaosRun:
     """One supervised run (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, run: str, *, seed: int = 0,
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
-                 standby: bool = False, eval_every_s: float = 0.0, quiet: bool = True):
+                 standby: bool = False, eval_every_s: float = 0.0):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
         self.pace_s = pace_s
         self.delays_s = delays_s or {}
         self.standby = standby
         self.eval_every_s = eval_every_s
-        self.quiet = quiet
         self.keys = RunKeys(run)
         self.state_dir = run_dir / "state"
         self.logs = run_dir / "logs"
@@ -65,6 +67,10 @@ class ChaosRun:
         self.history: list[dict] = []
         self.crashes: dict[str, int] = {}
         self.eval_failures: list[dict] = []
+        self.restore_cmds: dict[str, list[str]] = {}  # a syncer's command once its fault ends
+        self.cut_proxies: dict[str, list[TcpProxy]] = {}  # a cut learner's proxies, to heal
+        self.proxies: dict[str, list[TcpProxy]] = {}
+        self.redis: RedisServer | None = None
         self.duration_s = 0.0  # of the supervised part (set by supervise)
         self.gave_up: set[str] = set()
         self.max_crashes = 3
@@ -91,7 +97,6 @@ class ChaosRun:
         for sid, port in self.sync_ports.items():
             self.sup.spawn(sid, role_cmd("syncer", self.redis.url, self.run, "--id", sid,
                                          "--bind", f"tcp://127.0.0.1:{port}"))
-        self.proxies: dict[str, list[TcpProxy]] = {}
         for m in range(self.cfg.learners):
             name = f"L{m}"
             rp = TcpProxy("127.0.0.1", self.redis.port)
@@ -145,15 +150,14 @@ class ChaosRun:
             for px in proxies:
                 px.cut()
             self.cut[target] = now + f.down_s
-            self._cut_kind = getattr(self, "_cut_kind", {})
-            self._cut_kind[target] = proxies
+            self.cut_proxies[target] = proxies
         elif f.kind in ("kill-syncer", "kill-syncer-after-commit"):
             sid = target or "syncer-0"
             self.sup.kill(sid)
             if f.kind == "kill-syncer-after-commit":  # the restart dies after its next commit
                 base = [a for a in self.sup.cmds[sid] if not a.startswith("--fail")]
                 self.sup.spawn(sid, base + ["--fail-after-commit", "1"])
-                self._restore_cmd = (sid, base)
+                self.restore_cmds[sid] = base
             self.down[sid] = now + f.down_s
         elif f.kind == "takeover":
             self.sup.kill("syncer-0")  # for good: the standby must take its fragments
@@ -167,12 +171,12 @@ class ChaosRun:
                 continue
             if name == "redis":
                 self.redis.start()
+                self.sup.r.close()
                 self.sup.r = connect(self.redis.url)
                 self._event("recover", target="redis")
             else:
-                restore = getattr(self, "_restore_cmd", (None, None))
                 self.sup.kill(name)
-                self.sup.spawn(name, restore[1] if restore[0] == name else None)
+                self.sup.spawn(name, self.restore_cmds.pop(name, None))
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
             del self.down[name]
@@ -184,7 +188,7 @@ class ChaosRun:
                 del self.paused[name]
         for name, t in list(self.cut.items()):
             if now >= t:
-                for px in self._cut_kind[name]:
+                for px in self.cut_proxies.pop(name):
                     px.heal()
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
@@ -213,7 +217,7 @@ class ChaosRun:
     def _evaluate(self, corpus) -> None:
         try:
             m = self.sup.evaluate(corpus)
-        except (BrokerError, redis.ConnectionError, redis.TimeoutError) as e:
+        except (BrokerError, redis.RedisError) as e:
             # Redis is down mid-fault (or nothing is committed yet): recorded, tried again later
             self.eval_failures.append({"wall_s": time.monotonic() - self.t0,
                                        "error": f"{type(e).__name__}: {e}"})
@@ -261,8 +265,11 @@ class ChaosRun:
                 self._evaluate(corpus)
                 next_eval = now + self.eval_every_s
             if progress is not None and now >= next_progress and "redis" not in self.down:
-                progress(self, rel)
                 next_progress = now + 1.0
+                try:
+                    progress(self, rel)
+                except (BrokerError, redis.RedisError) as e:  # the view only: the run goes on
+                    log.warning("progress view skipped: %s", e)
             learners_done = all(self.procs[f"L{m}"].poll() == 0 or f"L{m}" in self.gave_up
                                 for m in range(self.cfg.learners))
             if learners_done or (rel >= duration_s and not self.down and not self.paused
@@ -314,10 +321,10 @@ class ChaosRun:
     def close(self) -> None:
         if self.sup is not None:
             self.sup.close()
-        for proxies in getattr(self, "proxies", {}).values():
+        for proxies in self.proxies.values():
             for px in proxies:
                 px.close()
-        if getattr(self, "redis", None) is not None:
+        if self.redis is not None:
             self.redis.stop()
 
 

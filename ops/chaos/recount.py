@@ -21,8 +21,12 @@ for d in sys.argv[1:]:
     srv = RedisServer(workdir=d / "redis").start()
     try:
         r = redis.Redis(port=srv.port)
-        run = RunKeys.run_of_config(next(iter(r.scan_iter(match=RunKeys.config_pattern()))))
-        ctx = open_run(srv.url, run, wait_s=0)
+        found = list(r.scan_iter(match=RunKeys.config_pattern()))
+        if not found:
+            sys.exit(f"{d}: no run stored under this version's key names (runs recorded before "
+                     f"the run-wide keys got their hash tag are recounted with that version)")
+        run = RunKeys.run_of_config(found[0])
+        ctx = open_run(srv.url, run, wait_s=0, verify=False)
         cfg, frags = ctx.cfg, ctx.fragments
         sizes = fragment_sizes(ctx.shapes, frags)
         ev = r.xrange(ctx.keys.events)

@@ -9,7 +9,6 @@ import fails the command: nothing is left out silently.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ops.cli import bench, chaos, goodput, roles, run, tools
 from workers import native
@@ -37,7 +36,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

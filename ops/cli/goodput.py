@@ -47,7 +47,6 @@ _KNOBS = (  # (flag, Assumptions field, type, help)
 )
 
 
-
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``goodput`` subcommand to the ``diloco`` parser.
 
@@ -93,7 +92,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-
 def assumptions_from(args: argparse.Namespace) -> Assumptions:
     """The documented assumptions with the knobs given on the command line applied.
 
@@ -108,12 +106,10 @@ def assumptions_from(args: argparse.Namespace) -> Assumptions:
     return with_overrides(Assumptions(), **overrides)
 
 
-
 def _learner_counts(args: argparse.Namespace, chips: int, default: Sequence[int]) -> list[int]:
     if args.chips_per_learner:
         return [max(1, round(chips / args.chips_per_learner))]
     return list(args.learners or default)
-
 
 
 def _print_cells(cells: Sequence[Cell], title: str) -> None:
@@ -123,7 +119,6 @@ def _print_cells(cells: Sequence[Cell], title: str) -> None:
     for c in cells:
         print(f"{c.setup:<14}{c.chips:>10}{pct(c.goodput):>13} ± {100 * c.goodput_ci:3.1f}"
               f"{pct(c.uptime):>13} ± {100 * c.uptime_ci:3.1f}{c.failures_per_hour:>17.1f}")
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"({args.seeds} seeds x ~{args.failures} interruptions per cell, {elapsed:.1f} s"
           + (f"; plot: {args.plot}" if args.plot else "") + ")")
     return 0
-
 
 
 def _run_project(args: argparse.Namespace, a: Assumptions) -> int:

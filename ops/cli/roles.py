@@ -52,7 +52,7 @@ def _init(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, base=cfgmod.demo_config())
         stored = store_run_config(args.redis_url, args.run, cfg)
-    except (BrokerError, ConfigError, *REDIS_DOWN) as e:
+    except (BrokerError, ConfigError, ValueError, *REDIS_DOWN) as e:
         return fail_on(e)
     if stored:
         print(f"stored run {args.run!r} (config hash {cfg.run_hash()})")
@@ -79,7 +79,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _watch(redis_url: str, run: str) -> int:
     """The live view of a run from its registry, until Ctrl-C."""
-    ctx = open_run(redis_url, run, wait_s=0)
+    ctx = open_run(redis_url, run, wait_s=0, verify=False)
     t0 = time.monotonic()
     with LiveView(mode="auto", line_interval_s=1.0, title=f"{run}: {ctx.cfg.mode}") as view:
         try:

@@ -8,7 +8,14 @@ import time
 
 from broker.errors import BrokerError
 from broker.keys import check_run_name
-from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cli.common import (
+    REDIS_DOWN,
+    add_config_args,
+    config_from_args,
+    fail,
+    fail_on,
+    print_json,
+)
 from ops.cli.live import LiveView
 from ops.cluster import (
     Launcher,
@@ -87,12 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _init_only(cfg, run_name: str, redis_url: str | None) -> int:
     """Store the configuration (in an embedded Redis that then stops, without --redis-url)."""
-    server = RedisServer().start() if redis_url is None else None
-    url = redis_url or server.url
+    server = None
     try:
+        server = RedisServer().start() if redis_url is None else None
+        url = redis_url or server.url
         store_run_config(url, run_name, cfg)
-    except BrokerError as e:
-        return fail(str(e))
+    except (BrokerError, FileNotFoundError, *REDIS_DOWN) as e:
+        return fail_on(e)
     finally:
         if server is not None:
             server.stop()

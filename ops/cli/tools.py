@@ -22,7 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_plot(sub)
 
 
-
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="entries in flight in the fragment streams (and one "
                        "payload's statistics with --entry)",
@@ -62,7 +61,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay", help="rebuild the global values offline and verify every round's hash",
@@ -84,14 +82,13 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     """Entry point of ``diloco replay``: print the report, return the exit code."""
     report = replay.replay(args.redis_url, args.run, fragment=args.fragment, until=args.until,
-                    archive_dir=args.archive)
+                           archive_dir=args.archive)
     if args.json:
         print_json(report)
     else:
         print(replay.render(report))
     sys.stdout.flush()
     return replay.exit_code(report)
-
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -122,7 +119,6 @@ def _plot(args: argparse.Namespace) -> int:
             else:
                 print(f"skipped {name}: {rep['skipped'][name]}", file=sys.stderr)
     return 0
-
 
 
 def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:

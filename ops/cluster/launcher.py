@@ -66,7 +66,8 @@ class Launcher:
         r, keys = self.sup.r, self.sup.keys
         recs = registry.learner_records(r, keys)
         log.write("progress", {"learners": {k: h.to_dict() for k, h in recs.items()},
-                               "syncers": registry.syncer_records(r, keys),
+                               "syncers": {k: s.to_dict() for k, s in
+                                           registry.syncer_records(r, keys).items()},
                                "live": sorted(registry.live_learners(r, keys))})
 
     def wait(self, corpus: Corpus, log: artifacts.MetricsLog,

@@ -130,7 +130,7 @@ class Supervisor:
         `timeout_s`."""
         try:
             registry.request_stop(self.r, self.keys)
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except redis.RedisError as e:  # Redis may be the thing that is gone
             log.warning("could not set the stop key (%s); signalling the processes", e)
         for p in self.procs.values():
             if p.poll() is None:

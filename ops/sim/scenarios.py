@@ -147,5 +147,3 @@ def project_setups(a: Assumptions, learners: int, rejoin_s: float, round_s: floa
                  min(a.quorum, learners), fragments)
     return [make_setup("dp", a), make_setup("elastic-dp", a),
             make_setup(f"M={learners}", a), impl]
-
-

@@ -4,7 +4,8 @@ This module owns the simulation model behind `diloco goodput`: the assumptions (
 three failure-handling setups (data-parallel that restarts from a checkpoint, elastic
 data-parallel, Decoupled DiLoCo with M learners), the event loop, the statistics over seeds,
 the closed form for data-parallel without elasticity, and the published table it is checked
-against. The CLI, the table printing, the plot and the projection live in ``ops/sim/scenarios.py``.
+against. The table printing, the plot and the projection live in ``ops/sim/scenarios.py``, the
+command line in ``ops/cli/goodput.py``.
 
 Model in one paragraph: the job's chips are split into ``groups`` equal groups (1 for
 data-parallel, M for DiLoCo). Chip interruptions form one Poisson process of rate

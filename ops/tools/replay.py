@@ -20,7 +20,6 @@ record). The ``--json`` output is one object; its keys are documented in :func:`
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,18 +30,17 @@ import numpy as np
 import redis
 
 from broker import archive as archmod
-from broker import codec, registry
-from broker.connection import connect
+from broker import codec
 from broker.errors import BrokerError, DecodeError
 from broker.ids import as_text, id_key
 from broker.keys import FragmentKeys, RunKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import config as cfgmod
-from pipeline.fragments import partition
-from pipeline.model import init_params, param_shapes
+from pipeline.model import init_params
 from pipeline.quant import tensors_hash
 from pipeline.syncer import FragmentSyncer
+from workers.common import open_run
 
 EXIT_OK, EXIT_DIVERGED, EXIT_UNUSABLE = 0, 1, 2
 _PAGE = 500
@@ -80,14 +78,9 @@ def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
                               "archive": None if archive_dir is None else str(archive_dir),
                               "error": None, "fragments": []}
     try:
-        keys = RunKeys(run_name)
-        r = connect(redis_url)
-        toml_text, run_hash = registry.load_config(r, keys)
-        cfg = cfgmod.from_dict(tomllib.loads(toml_text))
-        report["config_hash"] = run_hash
-        if cfg.run_hash() != run_hash:
-            raise _Unusable(f"stored configuration of run {run_name!r} does not match its hash")
-        frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        ctx = open_run(redis_url, run_name, wait_s=0)  # verifies the configuration's hash
+        r, keys, cfg, frags = ctx.r, ctx.keys, ctx.cfg, ctx.fragments
+        report["config_hash"] = ctx.run_hash
         todo = list(range(len(frags))) if fragment is None else [fragment]
         if fragment is not None and not 0 <= fragment < len(frags):
             raise _Unusable(f"--fragment {fragment}: the run has fragments 0..{len(frags) - 1}")

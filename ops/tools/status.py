@@ -35,7 +35,7 @@ def _number(v: Any) -> float | None:
 
 def collect(redis_url: str, run: str) -> dict:
     """Everything `status` shows, as plain data (the stable `--json` output)."""
-    ctx = open_run(redis_url, run, wait_s=0)
+    ctx = open_run(redis_url, run, wait_s=0, verify=False)
     r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
     live = registry.live_learners(r, keys)
     learners = {}
@@ -76,7 +76,8 @@ def collect(redis_url: str, run: str) -> dict:
     return {
         "run": run, "config_hash": run_hash, "mode": cfg.mode, "learners_expected": cfg.learners,
         "live_learners": sorted(live), "learners": learners,
-        "syncers": registry.syncer_records(r, keys), "fragments": fragments,
+        "syncers": {k: v.to_dict() for k, v in registry.syncer_records(r, keys).items()},
+        "fragments": fragments,
         "rounds": sum(f["rounds"] for f in fragments),
         "done": registry.done_names(r, keys),
     }
@@ -196,6 +197,7 @@ def snapshot(r: redis.Redis, keys: RunKeys, *, expected_learners: int, total_ste
         {k: h.to_dict() for k, h in registry.learner_records(r, keys).items()},
         registry.live_learners(r, keys),
         {k: f.to_dict() for k, f in registry.learner_final_reports(r, keys).items()},
-        registry.syncer_records(r, keys), syncers_done=registry.syncer_final_reports(r, keys),
+        {k: v.to_dict() for k, v in registry.syncer_records(r, keys).items()},
+        syncers_done=registry.syncer_final_reports(r, keys),
         expected_learners=expected_learners, total_steps=total_steps, restarting=restarting,
         t_s=t_s)

@@ -24,6 +24,7 @@ from broker.connection import connect
 from broker.errors import BrokerError
 from broker.keys import RunKeys
 from broker.state import unpack_state
+from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.data import Corpus
 from pipeline.fragments import partition
@@ -54,8 +55,6 @@ def global_params(r: redis.Redis, keys: RunKeys,
 
 def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
     """Store the run configuration; False if the same one was stored already."""
-    from pipeline import config as cfgmod
-
     r = connect(redis_url)
     try:
         return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())

@@ -9,6 +9,8 @@ sent: the live set is empty and K applies.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import zmq
@@ -58,6 +60,23 @@ def r(redis_url):
     client = connect(redis_url)
     yield client
     client.close()
+
+
+@contextlib.contextmanager
+def syncer_in_process(cfg: SyncerConfig):
+    """(a Syncer object in this process, not started, and its ZeroMQ context); closed, its
+    leases released, after."""
+    ctx = open_run(cfg.redis_url, cfg.run, wait_s=5.0)
+    zctx = zmq.Context()
+    s = Syncer(cfg, ctx, zctx)
+    try:
+        yield s, zctx
+    finally:
+        s.pub.close()
+        for p in s.owned:
+            s.streams.release_lease(p, cfg.syncer_id)
+        ctx.r.close()
+        zctx.term()
 
 
 def push_contribution(r, keys, cfg, who, p=P):
@@ -164,36 +183,29 @@ def test_crash_after_commit_then_restart_republishes_without_merging_again(
     assert_values_equal(values, want)
 
     # restart (same id): subscribe before it starts, then watch start() re-publish
-    ctx = open_run(redis_url, run, wait_s=5.0)
-    zctx = zmq.Context()
-    s = Syncer(SyncerConfig(redis_url, run), ctx, zctx)
-    sub = Subscriber(zctx, [OTHER, P, 9999])
-    try:
-        sub.connect([s.pub.endpoint])
-        _probe_until_subscribed(s.pub, sub, run)
-        s.start()
-        assert registry.endpoints(r, keys) == [s.pub.endpoint]
-        got: dict[int, tuple[int, dict]] = {}
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (s, zctx):
+        sub = Subscriber(zctx, [OTHER, P, 9999])
+        try:
+            sub.connect([s.pub.endpoint])
+            _probe_until_subscribed(s.pub, sub, run)
+            s.start()
+            assert registry.endpoints(r, keys) == [s.pub.endpoint]
+            got: dict[int, tuple[int, dict]] = {}
 
-        def collect():
-            msg = sub.recv(50)
-            if msg is not None and msg[0].fragment in (OTHER, P):
-                got[msg[0].fragment] = (msg[0].version, msg[1])
-            return len(got) == 2
+            def collect():
+                msg = sub.recv(50)
+                if msg is not None and msg[0].fragment in (OTHER, P):
+                    got[msg[0].fragment] = (msg[0].version, msg[1])
+                return len(got) == 2
 
-        wait_for(collect, timeout_s=10, interval_s=0.0, what="the re-published values")
-        assert got[P][0] == 1 and got[OTHER][0] == 0
-        assert_values_equal({k: quant.dequantize(q) for k, q in got[P][1].items()}, values)
-        # one full loop iteration with no new entries: nothing is merged again
-        registry.request_stop(r, keys)
-        assert s.run_forever() == 0
-    finally:
-        sub.close()
-        s.pub.close()
-        for p in s.owned:
-            s.streams.release_lease(p, "syncer-0")
-        ctx.r.close()
-        zctx.term()
+            wait_for(collect, timeout_s=10, interval_s=0.0, what="the re-published values")
+            assert got[P][0] == 1 and got[OTHER][0] == 0
+            assert_values_equal({k: quant.dequantize(q) for k, q in got[P][1].items()}, values)
+            # one full loop iteration with no new entries: nothing is merged again
+            registry.request_stop(r, keys)
+            assert s.run_forever() == 0
+        finally:
+            sub.close()
 
     assert_merged_once(r, keys, ids)
     assert r.get(fk.global_) == committed
@@ -387,20 +399,11 @@ def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url):
     keys = store_run(r, run, cfg)
     fk = keys.fragment(P)
     ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
-    ctx = open_run(redis_url, run, wait_s=5.0)
-    zctx = zmq.Context()
-    s = Syncer(SyncerConfig(redis_url, run, max_rounds=1), ctx, zctx)
-    try:
+    with syncer_in_process(SyncerConfig(redis_url, run, max_rounds=1)) as (s, _):
         s.start()
         r.delete(fk.lease)
         s._next_lease = float("inf")  # no renewal before the commit: it meets the gap
         wait_for(lambda: s.poll_once(), timeout_s=10, what="the round")
         assert r.get(fk.lease) == b"syncer-0"
-    finally:
-        s.pub.close()
-        for p in s.owned:
-            s.streams.release_lease(p, "syncer-0")
-        ctx.r.close()
-        zctx.term()
     assert_merged_once(r, keys, ids)
     assert state_version(r, fk) == 1

@@ -124,66 +124,75 @@ class RoundRecord:
         Raises:
             DecodeError: A required field is missing or malformed.
         """
-        f = {as_text(k): v for k, v in fields.items()}
-        try:
-            version = _int(f["version"], "version")
-        except KeyError as e:
-            raise DecodeError("round record without a version") from e
-
-        def get(key: str, conv, default, required: bool = False):
-            if key not in f:
-                if required and not lenient:
-                    raise DecodeError(f"round record {version}: no {key}")
-                return default
-            try:
-                return conv(f[key], key)
-            except DecodeError:
-                if lenient:
-                    return default
-                raise
-
-        def rows(key: str, build, width: int) -> tuple:
-            """The rows of a list field, each built by `build`; lenient: bad rows left out."""
-            value = get(key, _json, [], required=key == "included")
-            if not isinstance(value, list):
-                if lenient:
-                    return ()
-                raise DecodeError(f"round record {version}: {key} is not a list")
-            out = []
-            for row in value:
-                try:
-                    if not isinstance(row, list) or len(row) != width:
-                        raise ValueError(f"a row of {key} is not a list of {width}")
-                    out.append(build(*row))
-                except (TypeError, ValueError) as e:
-                    if not lenient:
-                        raise DecodeError(f"round record {version}: {key}: {e}") from e
-            return tuple(out)
-
-        included = rows("included", lambda e, who, w, s: Included(str(e), str(who), float(w),
-                                                                   int(s)), 4)
-        dropped = rows("dropped", lambda e, why: (str(e), Reason.of(str(why))), 2)
-        seconds = get("seconds", _json, [])
-        try:
-            seconds = tuple(float(x) for x in seconds)
-        except (TypeError, ValueError) as e:
-            if not lenient:
-                raise DecodeError(f"round record {version}: seconds: {e}") from e
-            seconds = ()
-        if len(set(i.entry_id for i in included)) != len(included) and not lenient:
-            raise DecodeError(f"round record {version} lists an entry twice")
-        if "hash" not in f and not lenient:
-            raise DecodeError(f"round record {version}: no hash")
+        f = _Fields(fields, lenient)
+        included = f.rows("included", 4, lambda e, who, w, s: Included(str(e), str(who),
+                                                                        float(w), int(s)))
+        dropped = f.rows("dropped", 2, lambda e, why: (str(e), Reason.of(str(why))))
+        seconds = f.rows("seconds", None, float)
+        if len({i.entry_id for i in included}) != len(included) and not lenient:
+            raise DecodeError(f"round record {f.version} lists an entry twice")
         return cls(
-            version=version, fragment=get("fragment", _int, -1, required=True),
-            reason=str(as_text(f.get("reason", ""))), included=included, dropped=dropped,
-            hash=str(as_text(f.get("hash", ""))),
-            tokens=get("tokens", _int, None), steps=get("steps", _int, None),
-            scale=get("scale", _num, 1.0), seconds=seconds,
-            quorum_wait_s=max(0.0, get("quorum_wait_s", _num, 0.0)),
-            grace_wait_s=max(0.0, get("grace_wait_s", _num, 0.0)),
-            merge_s=get("merge_s", _num, 0.0), syncer=str(as_text(f.get("syncer", ""))),
-            t=get("t", _num, None))
+            version=f.version, fragment=f.get("fragment", _int, -1, required=True),
+            reason=f.text("reason"), included=included, dropped=dropped,
+            hash=f.text("hash", required=True), tokens=f.get("tokens", _int, None),
+            steps=f.get("steps", _int, None), scale=f.get("scale", _num, 1.0),
+            seconds=seconds, quorum_wait_s=max(0.0, f.get("quorum_wait_s", _num, 0.0)),
+            grace_wait_s=max(0.0, f.get("grace_wait_s", _num, 0.0)),
+            merge_s=f.get("merge_s", _num, 0.0), syncer=f.text("syncer"),
+            t=f.get("t", _num, None))
+
+
+class _Fields:
+    """The fields of one round record being decoded: strict (every problem raises
+    DecodeError) or lenient (a missing or bad value reads as its default, a bad row is left
+    out); ``version`` is required either way."""
+
+    def __init__(self, fields: Mapping, lenient: bool):
+        self.f = {as_text(k): v for k, v in fields.items()}
+        self.lenient = lenient
+        if "version" not in self.f:
+            raise DecodeError("round record without a version")
+        self.version = _int(self.f["version"], "version")
+
+    def _bad(self, what: str, cause: Exception | None = None) -> None:
+        if not self.lenient:
+            raise DecodeError(f"round record {self.version}: {what}") from cause
+
+    def get(self, key: str, conv, default, required: bool = False):
+        if key not in self.f:
+            if required:
+                self._bad(f"no {key}")
+            return default
+        try:
+            return conv(self.f[key], key)
+        except DecodeError as e:
+            self._bad(str(e), e)
+            return default
+
+    def text(self, key: str, required: bool = False) -> str:
+        if key not in self.f and required:
+            self._bad(f"no {key}")
+        return str(as_text(self.f.get(key, "")))
+
+    def rows(self, key: str, width: int | None, build) -> tuple:
+        """A list field's rows, each built by `build` (from a list of `width` items, or from
+        the item itself when `width` is None)."""
+        value = self.get(key, _json, [], required=key == "included")
+        if not isinstance(value, list):
+            self._bad(f"{key} is not a list")
+            return ()
+        out = []
+        for row in value:
+            try:
+                if width is None:
+                    out.append(build(row))
+                elif isinstance(row, list) and len(row) == width:
+                    out.append(build(*row))
+                else:
+                    raise ValueError(f"a row is not a list of {width}")
+            except (TypeError, ValueError) as e:
+                self._bad(f"{key}: {e}", e)
+        return tuple(out)
 
 
 def read_rounds(r: redis.Redis, fk: FragmentKeys, *, start: str = "-",

@@ -239,7 +239,10 @@ def _engine_tuple(path: str, name: str, value: Any) -> tuple:
         if not (isinstance(item, list | tuple) and len(item) == 3):
             raise ConfigError(f"{path}: expected a list of [learner, at_s, down_s] triples")
         learner, at_s, down_s = item
-        if not isinstance(learner, int) or learner < 0 or at_s < 0 or down_s <= 0:
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool)
+                      for v in (at_s, down_s))
+        if (not isinstance(learner, int) or isinstance(learner, bool) or learner < 0
+                or not numbers or at_s < 0 or down_s <= 0):
             raise ConfigError(f"{path}: bad failure {item!r} (learner >= 0, at_s >= 0, down_s > 0)")
         out.append((int(learner), float(at_s), float(down_s)))
     return tuple(out)
@@ -328,12 +331,18 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def load(path: str | Path) -> RunConfig:
-    """Load and validate a TOML configuration file."""
+    """Load and validate a TOML configuration file.
+
+    Raises:
+        ConfigError: The file cannot be read, is not TOML, or holds an invalid configuration.
+    """
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror or e}") from e
     return from_dict(data)
 
 

@@ -66,12 +66,15 @@ def fail(msg: str, code: int = 2) -> int:
     return code
 
 
-# Redis being unreachable is a user-facing condition for every command that reads a run.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+# Redis being unreachable (or not Redis at all) is a user-facing condition for every command
+# that reads a run: one line, never a traceback.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse)
 
 
 def fail_on(e: BaseException) -> int:
     """One-line error for an expected exception (Redis unreachable, bad input, missing run)."""
+    if isinstance(e, redis.exceptions.InvalidResponse):
+        return fail(f"the Redis URL does not reach a Redis server: {e}")
     if isinstance(e, REDIS_DOWN):
         return fail(f"Redis did not answer: {e}")
     if isinstance(e, KeyError) and e.args:

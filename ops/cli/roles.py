@@ -8,7 +8,7 @@ import sys
 import time
 
 from broker.errors import BrokerError
-from ops.cli.common import REDIS_DOWN, add_config_args, config_from_args, fail, fail_on, print_json
+from ops.cli.common import REDIS_DOWN, add_config_args, config_from_args, fail_on, print_json
 from ops.cli.live import LiveView
 from ops.cluster import store_run_config
 from ops.tools import snapshot, status
@@ -44,8 +44,8 @@ def _run_role(role, args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         return role.main(role.config_from_args(args))
-    except (BrokerError, ConfigError, ValueError) as e:
-        return fail(str(e))
+    except (BrokerError, ConfigError, ValueError, *REDIS_DOWN) as e:
+        return fail_on(e)
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
                 return 130
             except RunFailed as e:
                 return fail(str(e), 1)
-            except (ValueError, FileNotFoundError, BrokerError) as e:
-                return fail(str(e))
+            except (ValueError, FileNotFoundError, BrokerError, *REDIS_DOWN) as e:
+                return fail_on(e)
     if args.json:
         print_json({k: v for k, v in summary.items() if k != "history"})
     else:

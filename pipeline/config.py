@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ddp", "sync-diloco", "decoupled")
+TASKS = ("bytegpt", "llama")  # pipeline/task.py
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("rda", "mean")
 APPLIES = ("overwrite", "rebase")
@@ -163,6 +164,9 @@ class RunConfig:
     learners: int = field(default=4, metadata=_rng(1, 100_000))
     steps: int = field(default=1000, metadata=_rng(1, 10**9))
     seed: int = field(default=0, metadata=_rng(0, 2**31 - 1))
+    # what is trained (pipeline/task.py), sized by [model]; added after runs were recorded,
+    # so its default is left out of the run hash (those runs keep theirs)
+    task: str = field(default="bytegpt", metadata={**_rng(choices=TASKS), "added": True})
 
     def effective_sync(self) -> SyncConfig:
         """The sync policy the mode implies: sync-diloco is P=1, K=M, no grace, blocking."""
@@ -173,10 +177,17 @@ class RunConfig:
         return self.sync
 
     def run_hash(self) -> str:
-        """Stable sha256 over the run-defining fields (engine and broker timings excluded)."""
+        """Stable sha256 over the run-defining fields (engine and broker timings excluded).
+
+        A field added after runs were recorded (metadata ``added``) counts only when it is not
+        at its default, so the runs recorded before it keep their hash and still open.
+        """
         d = to_dict(_normalized(self))
         d.pop("engine")
         d.pop("broker")
+        for f in fields(self):
+            if f.metadata.get("added") and getattr(self, f.name) == f.default:
+                d.pop(f.name)
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -26,8 +26,8 @@ from pipeline.config import RunConfig
 from pipeline.data import Corpus
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.learner import LearnerCore, Push
-from pipeline.model import init_params, n_params, param_shapes
 from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundResult
+from pipeline.task import n_params, task_of
 from pipeline.train import evaluate, inner_optimizer, make_step
 
 # Per-message framing overhead used when no wire codec is injected (header + field names).
@@ -90,8 +90,9 @@ class Engine:
         self.corpus = corpus
         self.wire = wire or WireSizes()
         self.on_event = on_event or (lambda kind, data: None)
-        self.shapes = param_shapes(cfg.model)
-        self.n_params = n_params(cfg.model)
+        self.task = task_of(cfg)
+        self.shapes = self.task.param_shapes()
+        self.n_params = n_params(self.task)
         self.eval_batches = corpus.eval_batches(cfg.data.eval_batches, cfg.inner.batch_size)
         self.history: list[dict] = []
         self._seq = itertools.count()
@@ -101,7 +102,7 @@ class Engine:
 
     def _eval(self, params: dict, tokens: int, wall_s: float) -> dict:
         m = evaluate({k: jnp.asarray(v) for k, v in params.items()}, self.eval_batches,
-                     self.cfg.model)
+                     self.task)
         rec = {"tokens": tokens, "wall_s": wall_s, "eval_loss": m["loss"],
                "eval_accuracy": m["accuracy"]}
         self.history.append(rec)
@@ -120,10 +121,10 @@ class Engine:
 
     def _run_ddp(self) -> dict:
         cfg, M = self.cfg, self.cfg.learners
-        params = init_params(cfg.model, cfg.seed)
+        params = self.task.init_params(cfg.seed)
         opt = inner_optimizer(cfg.inner, cfg.steps)
         opt_state = opt.init(params)
-        step_fn = make_step(cfg.model, opt)
+        step_fn = make_step(self.task, opt)
         first = self._eval(params, 0, 0.0)
         tps = self._tokens_per_step() * M
         ring = ring_allreduce_bytes_per_step(M, self.n_params)
@@ -148,17 +149,18 @@ class Engine:
     def _run_diloco(self) -> dict:
         cfg, sync, eng = self.cfg, self.sync, self.cfg.engine
         M = cfg.learners
-        init = {k: np.asarray(v) for k, v in init_params(cfg.model, cfg.seed).items()}
-        self.frags = partition(self.shapes, sync.fragments)
+        init = {k: np.asarray(v) for k, v in self.task.init_params(cfg.seed).items()}
+        self.frags = partition(self.shapes, sync.fragments, self.task.is_embedding)
         self.frag_sizes = fragment_sizes(self.shapes, self.frags)
-        self.syncers = [FragmentSyncer(p, {n: init[n] for n in f}, cfg.outer, sync)
+        self.syncers = [FragmentSyncer(p, {n: init[n] for n in f}, cfg.outer, sync,
+                                       is_embedding=self.task.is_embedding)
                         for p, f in enumerate(self.frags)]
         start = {}
         for s in self.syncers:
             start.update(s.sent_values)
         opt = inner_optimizer(cfg.inner, cfg.steps)
         self.opt = opt
-        self.step_fn = make_step(cfg.model, opt)
+        self.step_fn = make_step(self.task, opt)
         speeds = eng.speeds or (1.0,) * M
         self.learners = []
         for m in range(M):

@@ -9,15 +9,17 @@ fragment is pushed once every P·Δh ≈ H steps, one at a time, so communicatio
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from pipeline.model import is_embedding
 
 
-def partition(shapes: Mapping[str, tuple[int, ...]], n_fragments: int) -> list[list[str]]:
-    """Tensor names of each of the `n_fragments` fragments (each list sorted by model order).
+def partition(shapes: Mapping[str, tuple[int, ...]], n_fragments: int,
+              is_embedding: Callable[[str], bool] = is_embedding) -> list[list[str]]:
+    """Tensor names of each of the `n_fragments` fragments (each list sorted by model order);
+    the embeddings (`is_embedding`, the task's) get a fragment of their own.
 
     Raises:
         ValueError: if there are fewer tensors than fragments to fill.

@@ -13,7 +13,7 @@ memory stays O(fragment size) however many learners contribute.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -51,9 +51,11 @@ class StreamingMerge:
     Args:
         shapes: name → shape of the fragment's tensors.
         method: "rda" (radial-directional averaging for non-embeddings) or "mean".
+        is_embedding: which tensors are embeddings (the task's; merged by weighted mean).
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], method: str = "rda"):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], method: str = "rda",
+                 is_embedding: Callable[[str], bool] = is_embedding):
         if method not in ("rda", "mean"):
             raise ValueError(f"sync.merge: {method!r} is not one of rda, mean")
         self.method = method

@@ -9,7 +9,7 @@ restored by `from_state_dict`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import jax
@@ -19,6 +19,7 @@ from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
 from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
+from pipeline.model import is_embedding
 from pipeline.outer import (
     init_state,
     make_outer_step,
@@ -77,11 +78,14 @@ class FragmentSyncer:
         theta: the initial global value (version 0) or the restored one.
         outer_cfg, sync_cfg: outer optimiser and sync policy (quorum, grace, codecs).
         version: the version of `theta`.
+        is_embedding: which tensors are embeddings (the run's task's).
     """
 
     def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,
-                 sync_cfg: SyncConfig, version: int = 0):
+                 sync_cfg: SyncConfig, version: int = 0,
+                 is_embedding: Callable[[str], bool] = is_embedding):
         self.fragment = fragment
+        self.is_embedding = is_embedding
         self.sync_cfg = sync_cfg
         self.outer_cfg = outer_cfg
         self.version = version
@@ -100,7 +104,7 @@ class FragmentSyncer:
         self._round = self._new_round()
 
     def _new_round(self) -> _Round:
-        return _Round(merge=StreamingMerge(self.shapes, self.sync_cfg.merge))
+        return _Round(merge=StreamingMerge(self.shapes, self.sync_cfg.merge, self.is_embedding))
 
     @property
     def sent_values(self) -> dict[str, np.ndarray]:
@@ -264,9 +268,10 @@ class FragmentSyncer:
         }
 
     @classmethod
-    def from_state_dict(cls, d: dict, outer_cfg: OuterConfig,
-                        sync_cfg: SyncConfig) -> FragmentSyncer:
-        s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]))
+    def from_state_dict(cls, d: dict, outer_cfg: OuterConfig, sync_cfg: SyncConfig,
+                        is_embedding: Callable[[str], bool] = is_embedding) -> FragmentSyncer:
+        s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]),
+                is_embedding)
         treedef = jax.tree_util.tree_structure(s.opt_state)
         s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
         s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipeline.config import InnerConfig, ModelConfig
-from pipeline.model import Params, loss_and_accuracy
+from pipeline.config import InnerConfig
+from pipeline.task import Params, Task
 
 
 def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
@@ -34,12 +34,11 @@ def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransfo
     )
 
 
-def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Callable:
+def make_step(task: Task, opt: optax.GradientTransformation) -> Callable:
     """A jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
 
     def loss_fn(params: Params, batch: jax.Array):
-        loss, acc = loss_and_accuracy(params, batch, model_cfg)
-        return loss, acc
+        return task.loss_and_accuracy(params, batch)
 
     @jax.jit
     def step(params: Params, opt_state, batch: jax.Array):
@@ -53,15 +52,15 @@ def make_step(model_cfg: ModelConfig, opt: optax.GradientTransformation) -> Call
 
 
 @partial(jax.jit, static_argnums=2)
-def _eval_batch(params: Params, batch: jax.Array, model_cfg: ModelConfig):
-    return loss_and_accuracy(params, batch, model_cfg)
+def _eval_batch(params: Params, batch: jax.Array, task: Task):
+    return task.loss_and_accuracy(params, batch)
 
 
-def evaluate(params: Params, batches: np.ndarray, model_cfg: ModelConfig) -> dict[str, float]:
-    """Mean loss (nats/byte) and next-byte accuracy over fixed evaluation batches."""
+def evaluate(params: Params, batches: np.ndarray, task: Task) -> dict[str, float]:
+    """Mean loss (nats/token) and next-token accuracy over fixed evaluation batches."""
     losses, accs = [], []
     for b in batches:
-        loss, acc = _eval_batch(params, jnp.asarray(b), model_cfg)
+        loss, acc = _eval_batch(params, jnp.asarray(b), task)
         losses.append(float(loss))
         accs.append(float(acc))
     return {"loss": float(np.mean(losses)), "accuracy": float(np.mean(accs))}

@@ -40,6 +40,7 @@ from broker.pubsub import Subscriber
 from broker.streams import FragmentStreams
 from pipeline import quant
 from pipeline.syncer import Contribution
+from pipeline.task import ByteGPT
 from workers.common import open_run
 from workers.syncer import Syncer, SyncerConfig
 
@@ -324,7 +325,6 @@ def test_start_survives_an_initialisation_longer_than_the_lease(r, redis_url, mo
     (JAX start-up and compilation: ~3 s in a fresh process, longer for big models) before the
     fenced `init_fragment`. Nobody else wants the fragment, so an expired lease must be taken
     again, not end the syncer with LeaseLost("lease held by another syncer")."""
-    import workers.syncer as syncer_mod
 
     cfg = recovery_config(lease_ms=1000)
     run = "slow-init"
@@ -332,14 +332,14 @@ def test_start_survives_an_initialisation_longer_than_the_lease(r, redis_url, mo
     ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
     want_version, want = reference_round(cfg, P, [contribution(cfg, w, i)
                                                   for w, i in zip((L0, L1), ids, strict=True)])
-    real_init = syncer_mod.init_params
+    real_init = ByteGPT.init_params
 
-    def slow_init(model_cfg, seed):
+    def slow_init(task, seed):
         wait_for(lambda: r.get(keys.fragment(OTHER).lease) is None, timeout_s=10,
                  what="the lease of fragment 0 to run out during initialisation")
-        return real_init(model_cfg, seed)
+        return real_init(task, seed)
 
-    monkeypatch.setattr(syncer_mod, "init_params", slow_init)
+    monkeypatch.setattr(ByteGPT, "init_params", slow_init)
     assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
     assert_merged_once(r, keys, ids)
     version, values = global_value(r, keys.fragment(P))

@@ -17,7 +17,7 @@ from pipeline import config as cfgmod
 from pipeline import quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.model import param_shapes
+from pipeline.task import Task, task_of
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RunContext:
     run_hash: str
     shapes: dict[str, tuple[int, ...]]
     fragments: list[list[str]]
+    task: Task
 
 
 def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
@@ -56,9 +57,10 @@ def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
     r = connect(redis_url, socket_timeout_s=cfg.broker.socket_timeout_s,
                 block_ms=cfg.broker.block_ms)
     probe.close()
-    shapes = param_shapes(cfg.model)
-    frags = partition(shapes, cfg.effective_sync().fragments)
-    return RunContext(r, keys, cfg, run_hash, shapes, frags)
+    task = task_of(cfg)
+    shapes = task.param_shapes()
+    frags = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)
+    return RunContext(r, keys, cfg, run_hash, shapes, frags, task)
 
 
 def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:

@@ -160,7 +160,7 @@ class Learner:
         self._join()
         corpus = data.run_corpus(run_cfg)
         opt = inner_optimizer(run_cfg.inner, run_cfg.steps)
-        step_fn = make_step(run_cfg.model, opt)
+        step_fn = make_step(self.ctx.task, opt)
         opt_state = opt.init(self.params)
         self.step, tokens, opt_state = self._resume(opt_state)
         every = cfg.checkpoint_every or self.sync.delta_h

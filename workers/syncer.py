@@ -32,7 +32,6 @@ from broker.records import Drop, Included, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
-from pipeline.model import init_params
 from pipeline.syncer import FragmentSyncer, RoundResult
 from workers import native
 from workers.common import RunContext, decode_values, open_run
@@ -140,7 +139,7 @@ class Syncer:
         if not all(self.streams.load_state(p)[0] for p in self.owned):
             # built before taking any lease: the first JAX call can outlast a short lease
             init = {k: np.asarray(v) for k, v in
-                    init_params(self.run_cfg.model, self.run_cfg.seed).items()}
+                    self.ctx.task.init_params(self.run_cfg.seed).items()}
         for p in self.owned:
             while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
                 log.info("fragment %d is leased by another syncer; standing by", p)
@@ -150,9 +149,10 @@ class Syncer:
             if state_blob is None:
                 if init is None:
                     init = {k: np.asarray(v) for k, v in
-                            init_params(self.run_cfg.model, self.run_cfg.seed).items()}
+                            self.ctx.task.init_params(self.run_cfg.seed).items()}
                 core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
-                                      self.run_cfg.outer, self.sync)
+                                      self.run_cfg.outer, self.sync,
+                                      is_embedding=self.ctx.task.is_embedding)
                 self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
                 self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
                                            snapshot=self._snapshot(core))
@@ -182,7 +182,8 @@ class Syncer:
             _, tensors = codec.unpack_snapshot(snap, max_bytes=self.bcfg.max_payload_bytes)
             history[str(v)] = decode_values(tensors)
         state["history"] = history
-        return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync)
+        return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync,
+                                              self.ctx.task.is_embedding)
 
     def _state_blob(self, core: FragmentSyncer) -> bytes:
         d = core.state_dict()

@@ -37,7 +37,7 @@ from pipeline import config as cfgmod
 from pipeline import kernels, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.model import param_shapes
+from pipeline.task import task_of
 from workers.common import open_run
 from workers.syncer import Syncer, SyncerConfig
 
@@ -53,8 +53,9 @@ def machine() -> str:
 
 
 def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTensor]:
-    shapes = param_shapes(cfg.model)
-    names = partition(shapes, cfg.effective_sync().fragments)[p]
+    task = task_of(cfg)
+    shapes = task.param_shapes()
+    names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     rng = np.random.default_rng(seed)
     return {n: quant.quantize((rng.standard_normal(shapes[n]) * 1e-3).astype(np.float32),
                               cfg.sync.codec_up, cfg.sync.quant_block) for n in names}
@@ -137,8 +138,9 @@ def _before(entry_id: str) -> str:
 
 
 def _frag_params(cfg: RunConfig, p: int) -> int:
-    shapes = param_shapes(cfg.model)
-    names = partition(shapes, cfg.effective_sync().fragments)[p]
+    task = task_of(cfg)
+    shapes = task.param_shapes()
+    names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     return int(sum(np.prod(shapes[n]) for n in names))
 
 

@@ -36,7 +36,7 @@ from ops.cluster import RedisServer, Supervisor, TcpProxy, free_port, role_cmd
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
-from pipeline.model import param_shapes
+from pipeline.task import task_of
 
 log = logging.getLogger("diloco.chaos")
 
@@ -63,7 +63,9 @@ class ChaosRun:
         self.restarts: list[tuple[str, float]] = []
         self.faults: list[dict] = []
         self._pending_events: list[dict] = []
-        self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        self.task = task_of(cfg)
+        self.frags = partition(self.task.param_shapes(), cfg.effective_sync().fragments,
+                               self.task.is_embedding)
         self.history: list[dict] = []
         self.crashes: dict[str, int] = {}
         self.eval_failures: list[dict] = []
@@ -288,7 +290,7 @@ class ChaosRun:
         t_end = time.time()
         if corpus is not None:
             self._evaluate(corpus)
-        sizes = fragment_sizes(param_shapes(self.cfg.model), self.frags)
+        sizes = fragment_sizes(self.task.param_shapes(), self.frags)
         total = sum(sizes)
         rep = account(self.r, self.run, len(self.frags), self.state_dir,
                       learners=self.cfg.learners, frag_weights=[s / total for s in sizes],

@@ -23,7 +23,7 @@ from pipeline.config import RunConfig
 from pipeline.data import Corpus, run_corpus
 from pipeline.engine import ring_allreduce_bytes_per_step
 from pipeline.fragments import fragment_sizes
-from pipeline.model import init_params, n_params, param_shapes
+from pipeline.task import n_params
 
 Progress = Callable[[float], None]  # called about once a second with the seconds since start
 
@@ -101,11 +101,11 @@ class Launcher:
         M = cfg.learners
         sent = int(np.mean([v.bytes_sent for v in reports.values()])) if reports else 0
         received = int(np.mean([v.bytes_received for v in reports.values()])) if reports else 0
-        nparams = n_params(cfg.model)
+        nparams = n_params(self.sup.task)
         tps = cfg.inner.batch_size * cfg.model.seq_len
         ring_per_token = ring_allreduce_bytes_per_step(M, nparams) / tps
         ours = (sent + received) / (tokens / M) if tokens else 0.0
-        sizes = fragment_sizes(param_shapes(cfg.model), self.sup.frags)
+        sizes = fragment_sizes(self.sup.task.param_shapes(), self.sup.frags)
         rounds, useful = 0, 0.0
         for p in range(len(self.sup.frags)):
             for rnd in records.read_rounds(r, keys.fragment(p)):
@@ -167,7 +167,8 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         corpus = run_corpus(cfg)
         la = Launcher(cfg, run_name, url, run_dir,
                       learner_args=["--pace-s", str(pace_s)] if pace_s else [])
-        initial = la.sup.evaluate_params(init_params(cfg.model, cfg.seed), corpus)["eval_loss"]
+        initial = la.sup.evaluate_params(la.sup.task.init_params(cfg.seed),
+                                         corpus)["eval_loss"]
         la.history.append({"tokens": 0, "wall_s": 0.0, "eval_loss": initial})
         la.start()
         try:

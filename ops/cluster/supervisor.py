@@ -28,7 +28,7 @@ from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.data import Corpus
 from pipeline.fragments import partition
-from pipeline.model import param_shapes
+from pipeline.task import task_of
 from pipeline.train import evaluate
 
 log = logging.getLogger("diloco.supervisor")
@@ -86,7 +86,9 @@ class Supervisor:
         self.logs = run_dir / "logs"
         self.procs: dict[str, subprocess.Popen] = {}
         self.cmds: dict[str, list[str]] = {}
-        self.frags = partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+        self.task = task_of(cfg)
+        self.frags = partition(self.task.param_shapes(), cfg.effective_sync().fragments,
+                               self.task.is_embedding)
         self.r = connect(redis_url)
         self._eval_batches = None
 
@@ -175,7 +177,7 @@ class Supervisor:
             self._eval_batches = corpus.eval_batches(self.cfg.data.eval_batches,
                                                      self.cfg.inner.batch_size)
         m = evaluate({k: jnp.asarray(v) for k, v in params.items()}, self._eval_batches,
-                     self.cfg.model)
+                     self.task)
         return {"eval_loss": m["loss"], "eval_accuracy": m["accuracy"]}
 
     def close(self) -> None:

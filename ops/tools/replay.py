@@ -20,7 +20,7 @@ record). The ``--json`` output is one object; its keys are documented in :func:`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from broker.keys import FragmentKeys, RunKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import config as cfgmod
-from pipeline.model import init_params
 from pipeline.quant import tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import open_run
@@ -84,10 +83,10 @@ def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
         todo = list(range(len(frags))) if fragment is None else [fragment]
         if fragment is not None and not 0 <= fragment < len(frags):
             raise _Unusable(f"--fragment {fragment}: the run has fragments 0..{len(frags) - 1}")
-        init = {k: np.asarray(v) for k, v in init_params(cfg.model, cfg.seed).items()}
+        init = {k: np.asarray(v) for k, v in ctx.task.init_params(cfg.seed).items()}
         for p in todo:
             theta0 = {n: init[n] for n in frags[p]}
-            rep = _Replay(r, keys, cfg, p, theta0, until, archive_dir)
+            rep = _Replay(r, keys, cfg, p, theta0, until, archive_dir, ctx.task.is_embedding)
             report["fragments"].append(rep.run())
     except (_Unusable, BrokerError, cfgmod.ConfigError, ValueError, OSError,
             redis.RedisError) as e:
@@ -111,6 +110,7 @@ class _Replay:
     theta0: dict[str, np.ndarray]
     until: int | None
     archive_dir: str | Path | None
+    is_embedding: Callable[[str], bool]
     out: dict[str, Any] = field(default_factory=dict)
 
     def run(self) -> dict[str, Any]:
@@ -134,7 +134,8 @@ class _Replay:
         return o
 
     def _replay(self) -> None:
-        core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync())
+        core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync(),
+                              is_embedding=self.is_embedding)
         problem = self._check_snapshot(0, tensors_hash(core.sent))
         if problem:
             self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,

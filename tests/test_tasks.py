@@ -1,0 +1,78 @@
+"""The run's task (pipeline/task.py): the built-in byte GPT and the Llama-style decoder, chosen by
+``task`` in the run configuration, through the engine and a real multi-process run."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from test_e2e import diloco, write_config
+
+from ops.cluster.artifacts import load_checkpoint
+from ops.tools import replay
+from pipeline import config as cfgmod
+from pipeline import model
+from pipeline.config import ConfigError
+from pipeline.data import run_corpus
+from pipeline.engine import Engine
+from pipeline.fragments import partition
+from pipeline.task import ByteGPT, Llama, n_params, task_of
+
+SMALL = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32},
+         "data": {"max_bytes": 600_000, "eval_batches": 4},
+         "inner": {"lr": 3e-3, "warmup_steps": 5, "batch_size": 8},
+         "sync": {"fragments": 3, "sync_every": 12}, "learners": 2, "steps": 120}
+
+
+def test_the_default_task_keeps_the_hash_of_runs_recorded_before_it():
+    without = cfgmod.from_dict({k: v for k, v in SMALL.items()})
+    assert without.task == "bytegpt"
+    assert cfgmod.from_dict({**SMALL, "task": "bytegpt"}).run_hash() == without.run_hash()
+    assert cfgmod.from_dict({**SMALL, "task": "llama"}).run_hash() != without.run_hash()
+    with pytest.raises(ConfigError, match="task"):
+        cfgmod.from_dict({**SMALL, "task": "gpt5"})
+    # the stored TOML names the task and loads back to the same run
+    llama_cfg = cfgmod.from_dict({**SMALL, "task": "llama"})
+    again = cfgmod.from_dict(__import__("tomllib").loads(cfgmod.dumps_toml(llama_cfg)))
+    assert again == llama_cfg and again.run_hash() == llama_cfg.run_hash()
+
+
+def test_tasks_describe_their_parameters_without_computing_them():
+    byte = task_of(cfgmod.from_dict(SMALL))
+    assert isinstance(byte, ByteGPT) and byte.param_shapes() == model.param_shapes(byte.cfg)
+    task = task_of(cfgmod.from_dict({**SMALL, "task": "llama"}))
+    assert isinstance(task, Llama)
+    shapes = task.param_shapes()
+    params = task.init_params(0)
+    assert list(shapes) == list(params)
+    assert all(params[k].shape == s for k, s in shapes.items())
+    assert "layers/1/mlp/w_gate" in shapes and shapes["head"] == (32, 256)
+    assert [n for n in shapes if task.is_embedding(n)] == ["embed"]
+    assert n_params(task) == sum(int(np.prod(s)) for s in shapes.values())
+    frags = partition(shapes, 3, task.is_embedding)
+    assert frags[0] == ["embed"] and sorted(sum(frags, [])) == sorted(shapes)
+    # loss and logits through flat parameters
+    batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
+    loss, _ = task.loss_and_accuracy(params, batch)
+    assert float(loss) == pytest.approx(np.log(256), rel=0.05)
+    assert task.logits(params, batch[:, :-1]).shape == (2, 32, 256)
+
+
+def test_the_engine_trains_the_llama_task():
+    cfg = cfgmod.from_dict({**SMALL, "task": "llama"})
+    s = Engine(cfg, run_corpus(cfg)).run()
+    assert s["final_eval_loss"] < 0.8 * s["initial_eval_loss"], s
+    assert s["rounds"] >= 8 and s["params"] == n_params(task_of(cfg))
+
+
+def test_a_llama_run_with_real_processes_ends_identical_and_replays(tmp_path, redis_url):
+    cfg_path = write_config(tmp_path, learners=2, steps=60, task="llama")
+    s = diloco("run", "--config", cfg_path, "--redis-url", redis_url, "--run", "llama",
+               "--out", str(tmp_path / "runs"), "--json")
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+    hashes = list(s["learner_hashes"].values())
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    params, cfg = load_checkpoint(tmp_path / "runs" / "llama" / "checkpoint.npz")
+    assert cfg.task == "llama" and "layers/0/attn/wq" in params
+    report = replay.replay(redis_url, "llama")
+    assert report["status"] == "verified", report

@@ -304,11 +304,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         for f in fields(obj):
             if not (section == "engine" and f.name in ("speeds", "failures")):
                 _check_value(f"{section}.{f.name}", f, getattr(obj, f.name))
-    for name in ("mode", "learners", "steps", "seed"):
+    for name in ("mode", "learners", "steps", "seed", "task"):
         _check_value(name, next(f for f in fields(RunConfig) if f.name == name), getattr(cfg, name))
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError(f"model.n_heads: {cfg.model.n_heads} must divide model.d_model "
                           f"({cfg.model.d_model})")
+    if cfg.task == "llama" and (cfg.model.d_model // cfg.model.n_heads) % 2:
+        raise ConfigError(f"model.n_heads: the llama task needs an even head width (d_model "
+                          f"{cfg.model.d_model} / n_heads {cfg.model.n_heads} is odd)")
     if cfg.sync.quorum > cfg.learners:
         raise ConfigError(f"sync.quorum: {cfg.sync.quorum} is out of range [1, learners="
                           f"{cfg.learners}]")
@@ -372,8 +375,12 @@ def override(cfg: RunConfig, **updates: Any) -> RunConfig:
 
 
 def dumps_toml(cfg: RunConfig) -> str:
-    """Serialise to TOML (the subset this configuration uses)."""
+    """Serialise to TOML (the subset this configuration uses). A field added after runs were
+    recorded is left out while at its default, so versions before it read the file too."""
     d = to_dict(cfg)
+    for f in fields(cfg):
+        if f.metadata.get("added") and getattr(cfg, f.name) == f.default:
+            d.pop(f.name)
     lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
     for section, table in d.items():
         if isinstance(table, dict):

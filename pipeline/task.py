@@ -112,6 +112,8 @@ def task_of(cfg: RunConfig) -> Task:
     a multiple of 8: about the parameters of the GPT's ``mlp_ratio · d_model`` GELU layer).
     """
     m = cfg.model
+    if cfg.task not in TASKS:
+        raise ValueError(f"task {cfg.task!r} is not one of {', '.join(TASKS)}")
     if cfg.task == "llama":
         ffn = -(-(m.mlp_ratio * m.d_model * 2 // 3) // 8) * 8
         return Llama(llama.LlamaConfig(vocab_size=m.vocab_size, d_model=m.d_model,

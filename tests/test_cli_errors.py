@@ -79,14 +79,20 @@ CASES = [
     ("run --engine inprocess --out OUT --set engine.failures=[[0,\"a\",1]]",
      "engine.failures: bad failure"),
     ("plot OUT/no-run", "no such file"),
+    ("run --engine inprocess --out OUT --set task=llama --set model.d_model=20 "
+     "--set model.n_heads=4", "even head width"),
+    ("run --engine inprocess --out OUT --set task=gpt5", "task"),
+    ("run --engine inprocess --out OUT --set sync.fragments=99", "fragments"),
+    ("status --redis-url DOWN-DB99 --run x", "Redis"),
 ]
 
 
 @pytest.mark.parametrize("argv, says", CASES, ids=[c[0].split(" --")[0] + ": " + c[1]
                                                    for c in CASES])
-def test_one_line_and_exit_2(argv, says, capsys, tmp_path, down, not_redis):
-    words = argv.replace("DOWN", down).replace("NOTREDIS", not_redis).replace(
-        "OUT", str(tmp_path)).split(" ")
+def test_one_line_and_exit_2(argv, says, capsys, tmp_path, down, not_redis, redis_server):
+    redis_db99 = f"redis://127.0.0.1:{redis_server.port}/99"  # a database that does not exist
+    words = (argv.replace("DOWN-DB99", redis_db99).replace("DOWN", down)
+             .replace("NOTREDIS", not_redis).replace("OUT", str(tmp_path)).split(" "))
     if "a" in words and "b" in words:  # the run name with a space is one argument
         i = words.index("a")
         words[i:i + 2] = ["a b"]

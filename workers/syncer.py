@@ -122,6 +122,10 @@ class Syncer:
         self.bcfg = ctx.cfg.broker
         self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
         self.owned = list(cfg.fragments) or list(range(len(ctx.fragments)))
+        bad = [p for p in self.owned if not 0 <= p < len(ctx.fragments)]
+        if bad:
+            raise ValueError(f"--fragments {bad}: the run has fragments "
+                             f"0..{len(ctx.fragments) - 1}")
         self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm)
         self.frags: dict[int, _Frag] = {}
         self.live: frozenset[str] = frozenset()

@@ -67,8 +67,11 @@ def _quality(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
-    print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
-                              progress=_progress))
+    try:
+        print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
+                                  progress=_progress))
+    except (ValueError, OSError) as e:
+        return fail(str(e))
     return 0
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from broker.keys import check_run_name
 from ops.chaos import load_schedule, random_schedule, run_chaos
-from ops.cli.common import add_config_args, config_from_args, fail, print_json
+from ops.cli.common import add_config_args, config_from_args, fail, fail_on, print_json
 from ops.cli.live import LiveView, chaos_view
 from ops.cluster import artifacts
 from pipeline import config as cfgmod
@@ -49,11 +49,15 @@ def _cli(args: argparse.Namespace) -> int:
         run = check_run_name(args.run or time.strftime("chaos-%Y%m%d-%H%M%S"))
     except ValueError as e:
         return fail(str(e))
-    run_dir = artifacts.new_run_dir(args.out, run)
-    with LiveView(mode="quiet" if args.json or args.quiet else "auto",
-                  title=f"chaos {run}: M={cfg.learners}") as view:
-        rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
-                        pace_s=args.pace_s, standby=args.standby, progress=chaos_view(view))
+    try:
+        run_dir = artifacts.new_run_dir(args.out, run)
+        with LiveView(mode="quiet" if args.json or args.quiet else "auto",
+                      title=f"chaos {run}: M={cfg.learners}") as view:
+            rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
+                            pace_s=args.pace_s, standby=args.standby,
+                            progress=chaos_view(view))
+    except (ValueError, OSError) as e:  # no redis-server, an unwritable --out, too few tensors
+        return fail_on(e)
     (run_dir / "chaos.json").write_text(json.dumps(rep, indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "history"})

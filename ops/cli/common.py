@@ -68,11 +68,14 @@ def fail(msg: str, code: int = 2) -> int:
 
 # Redis being unreachable (or not Redis at all) is a user-facing condition for every command
 # that reads a run: one line, never a traceback.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse,
+              redis.ResponseError)
 
 
 def fail_on(e: BaseException) -> int:
     """One-line error for an expected exception (Redis unreachable, bad input, missing run)."""
+    if isinstance(e, redis.ResponseError):
+        return fail(f"Redis refused: {e}")
     if isinstance(e, redis.exceptions.InvalidResponse):
         return fail(f"the Redis URL does not reach a Redis server: {e}")
     if isinstance(e, REDIS_DOWN):

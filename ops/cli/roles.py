@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+import zmq
+
 from broker.errors import BrokerError
 from ops.cli.common import REDIS_DOWN, add_config_args, config_from_args, fail_on, print_json
 from ops.cli.live import LiveView
@@ -44,8 +46,8 @@ def _run_role(role, args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         return role.main(role.config_from_args(args))
-    except (BrokerError, ConfigError, ValueError, *REDIS_DOWN) as e:
-        return fail_on(e)
+    except (BrokerError, ConfigError, ValueError, OSError, zmq.ZMQError, *REDIS_DOWN) as e:
+        return fail_on(e)  # OSError: a metrics port in use; ZMQError: a bad or busy endpoint
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     quiet = args.quiet or args.json
     if args.engine == "inprocess":
-        summary = run_inprocess(cfg, run_name, out=args.out,
-                                on_eval=None if quiet else _print_eval)
+        try:
+            summary = run_inprocess(cfg, run_name, out=args.out,
+                                    on_eval=None if quiet else _print_eval)
+        except (ValueError, OSError) as e:  # data too small for the split, an unwritable --out
+            return fail_on(e)
     elif cfg.mode == "ddp":
         return fail("mode ddp runs only in the in-process engine (--engine inprocess)")
     elif args.init_only:
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 return 130
             except RunFailed as e:
                 return fail(str(e), 1)
-            except (ValueError, FileNotFoundError, BrokerError, *REDIS_DOWN) as e:
+            except (ValueError, OSError, BrokerError, *REDIS_DOWN) as e:
                 return fail_on(e)
     if args.json:
         print_json({k: v for k, v in summary.items() if k != "history"})
@@ -99,7 +102,7 @@ def _init_only(cfg, run_name: str, redis_url: str | None) -> int:
         server = RedisServer().start() if redis_url is None else None
         url = redis_url or server.url
         store_run_config(url, run_name, cfg)
-    except (BrokerError, FileNotFoundError, *REDIS_DOWN) as e:
+    except (BrokerError, OSError, ValueError, *REDIS_DOWN) as e:
         return fail_on(e)
     finally:
         if server is not None:

@@ -108,7 +108,7 @@ def _plot(args: argparse.Namespace) -> int:
     """Entry point of ``diloco plot``; returns the exit code."""
     try:
         rep = plots.make_plots(args.run_dir, args.out, args.redis_url, args.run)
-    except (FileNotFoundError, BrokerError, ValueError, *REDIS_DOWN) as e:
+    except (OSError, BrokerError, ValueError, *REDIS_DOWN) as e:
         return fail_on(e)
     if args.json:
         print_json(rep)
@@ -154,7 +154,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> int:
     try:
         rep = checkpoint.eval_checkpoint(args.checkpoint)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         return fail(str(e))
     if args.json:
         print_json(rep)
@@ -173,7 +173,7 @@ def _sample(args: argparse.Namespace) -> int:
     try:
         rep = checkpoint.sample(args.checkpoint, args.prompt, args.bytes, args.temperature,
                                 args.seed)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         return fail(str(e))
     if args.json:
         print_json(rep)

@@ -32,10 +32,12 @@ def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
         if on_eval is not None and kind == "eval":
             on_eval(data)
 
-    engine = Engine(cfg, run_corpus(cfg), wire=codec_sizes(), on_event=on_event)
-    summary = engine.run()
-    log.write("summary", {k: v for k, v in summary.items() if k != "history"})
-    log.close()
+    try:
+        engine = Engine(cfg, run_corpus(cfg), wire=codec_sizes(), on_event=on_event)
+        summary = engine.run()
+        log.write("summary", {k: v for k, v in summary.items() if k != "history"})
+    finally:
+        log.close()
     artifacts.save_checkpoint(run_dir / "checkpoint.npz", engine.final_params, cfg)
     artifacts.plot_loss(run_dir / "loss.png", {cfg.mode: summary["history"]},
                         title=f"{cfg.mode}, M={cfg.learners} (in-process)")

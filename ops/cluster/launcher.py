@@ -158,7 +158,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         raise ValueError("mode ddp runs only in the in-process engine (--engine inprocess)")
     server = RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
-    la = None
+    la = log = None
     try:
         store_run_config(url, run_name, cfg)
         run_dir = artifacts.new_run_dir(out, run_name)
@@ -187,9 +187,10 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         summary["redis_url"] = redis_url
         artifacts.write_json(run_dir / "summary.json", summary)
         log.write("summary", {k: v for k, v in summary.items() if k != "history"})
-        log.close()
         return summary
     finally:
+        if log is not None:
+            log.close()
         if la is not None:
             la.sup.close()
         if server is not None:

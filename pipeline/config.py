@@ -11,13 +11,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 MODES = ("ddp", "sync-diloco", "decoupled")
-TASKS = ("bytegpt", "llama")  # pipeline/task.py
+TASKS = ("bytegpt", "llama")  # the built-in tasks (pipeline/task.py)
+# a user task: "package.module:factory" (imported only by a process whose own command line
+# names the same task; see pipeline/task.py)
+USER_TASK = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+DATA_FORMATS = ("auto", "text", "jsonl", "u16", "u32")  # pipeline/data.py
+_OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_OPTIONS = 256
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("rda", "mean")
 APPLIES = ("overwrite", "rebase")
@@ -50,11 +57,15 @@ class DataConfig:
     """Where the text comes from and how it is split."""
 
     # "stdlib" (the running interpreter's standard library sources), a text file or folder,
-    # or a file ending in .bin/.u16 holding little-endian uint16 tokens.
+    # a JSONL file (one JSON object per line, its text in `text_field`), or a file of
+    # little-endian uint16 (.bin/.u16) or uint32 (.u32) tokens of any tokenizer.
     source: str = "stdlib"
-    max_bytes: int = field(default=8_000_000, metadata=_rng(10_000, 10**11))
+    max_bytes: int = field(default=8_000_000, metadata=_rng(10_000, 10**13))
     eval_fraction: float = field(default=0.02, metadata=_rng(0.001, 0.5))
     eval_batches: int = field(default=8, metadata=_rng(1, 10_000))
+    # how to read `source`: "auto" picks by suffix (.jsonl, .bin/.u16, .u32, else text)
+    format: str = field(default="auto", metadata={**_rng(choices=DATA_FORMATS), "added": True})
+    text_field: str = field(default="text", metadata={"added": True})  # JSONL: the text's key
 
 
 @dataclass(frozen=True)
@@ -164,9 +175,16 @@ class RunConfig:
     learners: int = field(default=4, metadata=_rng(1, 100_000))
     steps: int = field(default=1000, metadata=_rng(1, 10**9))
     seed: int = field(default=0, metadata=_rng(0, 2**31 - 1))
-    # what is trained (pipeline/task.py), sized by [model]; added after runs were recorded,
-    # so its default is left out of the run hash (those runs keep theirs)
-    task: str = field(default="bytegpt", metadata={**_rng(choices=TASKS), "added": True})
+    # what is trained (pipeline/task.py): a built-in task sized by [model], or a user task
+    # "package.module:factory" called with the [task_options] table as keyword arguments.
+    # Added after runs were recorded, so at their defaults they are left out of the run hash
+    # (those runs keep theirs).
+    task: str = field(default="bytegpt", metadata={"added": True})
+    task_options: tuple[tuple[str, Any], ...] = field(default=(), metadata={"added": True})
+
+    def options(self) -> dict[str, Any]:
+        """The [task_options] table as a dict (lists as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.task_options}
 
     def effective_sync(self) -> SyncConfig:
         """The sync policy the mode implies: sync-diloco is P=1, K=M, no grace, blocking."""
@@ -182,14 +200,57 @@ class RunConfig:
         A field added after runs were recorded (metadata ``added``) counts only when it is not
         at its default, so the runs recorded before it keep their hash and still open.
         """
-        d = to_dict(_normalized(self))
+        d = _drop_added(to_dict(_normalized(self)), self)
         d.pop("engine")
         d.pop("broker")
-        for f in fields(self):
-            if f.metadata.get("added") and getattr(self, f.name) == f.default:
-                d.pop(f.name)
         text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _drop_added(d: dict, cfg: RunConfig) -> dict:
+    """`d` (to_dict of `cfg`) without the fields added after runs were recorded that are at
+    their defaults, top level and in sections."""
+    for f in fields(cfg):
+        if f.metadata.get("added") and getattr(cfg, f.name) == f.default:
+            d.pop(f.name)
+    for section in _SECTIONS:
+        obj = getattr(cfg, section)
+        for f in fields(obj):
+            if f.metadata.get("added") and getattr(obj, f.name) == f.default:
+                d[section].pop(f.name)
+    return d
+
+
+def _task_options(value: Any) -> tuple[tuple[str, Any], ...]:
+    """Validate the [task_options] table: at most 256 identifier keys, each a string, number,
+    boolean or a list of those (no nested tables)."""
+    if not isinstance(value, dict | list | tuple):
+        raise ConfigError("task_options: expected a table")
+    items = value.items() if isinstance(value, dict) else value
+    out = []
+    for item in items:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise ConfigError("task_options: expected a table")
+        k, v = item
+        if not (isinstance(k, str) and _OPTION_KEY.fullmatch(k)):
+            raise ConfigError(f"task_options: {k!r} is not a valid option name")
+        scalar = (str, int, float, bool)
+        if isinstance(v, list | tuple) and all(isinstance(x, scalar) for x in v):
+            v = tuple(v)
+        elif not isinstance(v, scalar):
+            raise ConfigError(f"task_options.{k}: expected a string, number, boolean or a "
+                              f"list of those, got {type(v).__name__}")
+        out.append((k, v))
+    if len(out) > _MAX_OPTIONS:
+        raise ConfigError(f"task_options: more than {_MAX_OPTIONS} options")
+    return tuple(sorted(out))
+
+
+def _check_task(name: Any) -> str:
+    if not isinstance(name, str) or not (name in TASKS or USER_TASK.fullmatch(name)):
+        raise ConfigError(f"task: {name!r} is neither a built-in task ({', '.join(TASKS)}) nor "
+                          f"a user task \"package.module:factory\"")
+    return name
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "inner": InnerConfig,
@@ -288,6 +349,10 @@ def from_dict(data: dict) -> RunConfig:
     for name, value in data.items():
         if name in _SECTIONS:
             kwargs[name] = _build(_SECTIONS[name], value, name)
+        elif name == "task_options":
+            kwargs[name] = _task_options(value)
+        elif name == "task":
+            kwargs[name] = _check_task(value)
         elif name in top:
             kwargs[name] = _check_value(name, top[name], value)
         else:
@@ -304,8 +369,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         for f in fields(obj):
             if not (section == "engine" and f.name in ("speeds", "failures")):
                 _check_value(f"{section}.{f.name}", f, getattr(obj, f.name))
-    for name in ("mode", "learners", "steps", "seed", "task"):
+    for name in ("mode", "learners", "steps", "seed"):
         _check_value(name, next(f for f in fields(RunConfig) if f.name == name), getattr(cfg, name))
+    _check_task(cfg.task)
+    if _task_options(cfg.task_options) != cfg.task_options:
+        raise ConfigError("task_options: not in canonical form (build it with from_dict)")
+    if cfg.task_options and cfg.task in TASKS:
+        raise ConfigError(f"task_options: the built-in task {cfg.task!r} takes its size from "
+                          f"[model]; task options are for user tasks")
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError(f"model.n_heads: {cfg.model.n_heads} must divide model.d_model "
                           f"({cfg.model.d_model})")
@@ -340,8 +411,10 @@ def demo_config() -> RunConfig:
 
 
 def to_dict(cfg: RunConfig) -> dict:
-    """Nested plain dict (TOML layout), tuples as lists."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """Nested plain dict (TOML layout), tuples as lists, task options as a table."""
+    d = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    d["task_options"] = json.loads(json.dumps(cfg.options()))
+    return d
 
 
 def load(path: str | Path) -> RunConfig:
@@ -377,10 +450,7 @@ def override(cfg: RunConfig, **updates: Any) -> RunConfig:
 def dumps_toml(cfg: RunConfig) -> str:
     """Serialise to TOML (the subset this configuration uses). A field added after runs were
     recorded is left out while at its default, so versions before it read the file too."""
-    d = to_dict(cfg)
-    for f in fields(cfg):
-        if f.metadata.get("added") and getattr(cfg, f.name) == f.default:
-            d.pop(f.name)
+    d = _drop_added(to_dict(cfg), cfg)
     lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
     for section, table in d.items():
         if isinstance(table, dict):

@@ -13,7 +13,9 @@ Run-wide keys:
 key                                   type      contents
 ====================================  ========  ==============================================
 ``ddl:{<run>}:config``                hash      ``toml`` (the run configuration), ``hash``
-                                                (its run hash), ``created`` (unix time)
+                                                (its run hash), ``created`` (unix time),
+                                                ``params`` (user tasks: JSON parameter spec,
+                                                names/shapes/dtypes/embeddings)
 ``ddl:{<run>}:learners``              hash      learner id → JSON of its last heartbeat (step,
                                                 tokens, tokens/s, step time, versions, loss,
                                                 bytes): ``broker.records.Heartbeat``

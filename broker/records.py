@@ -263,6 +263,10 @@ class Heartbeat(_JsonRecord):
     bytes_sent: int = 0
     bytes_received: int = 0
     snapshots_read: int = 0
+    devices: int = 1  # the learner's island: local devices it trains on
+    # the most tokens one inner step of this learner trains on, declared when it joins: a
+    # contribution of n steps may not claim more than n times this
+    max_tokens_per_step: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,16 @@ EVENTS_MAX = 100_000
 log = logging.getLogger("diloco.registry")
 
 
-def store_config(r: redis.Redis, keys: RunKeys, toml_text: str, run_hash: str) -> bool:
+MAX_SPEC_BYTES = 64 * 2**20
+
+
+def store_config(r: redis.Redis, keys: RunKeys, toml_text: str, run_hash: str,
+                 spec: dict | None = None) -> bool:
     """Store the run configuration once. True if stored now, False if the same was there.
+
+    Args:
+        spec: The parameter spec of a user task (`pipeline.task.param_spec`), stored with the
+            configuration so that processes without the task's code can open the run.
 
     Raises:
         ConfigMismatch: a different configuration is already stored under this run name.
@@ -33,10 +41,31 @@ def store_config(r: redis.Redis, keys: RunKeys, toml_text: str, run_hash: str) -
     _refuse_legacy(r, keys)
     stored = r.hsetnx(keys.config, "hash", run_hash)
     if stored:
-        r.hset(keys.config, mapping={"toml": toml_text, "created": repr(time.time())})
+        fields = {"toml": toml_text, "created": repr(time.time())}
+        if spec is not None:
+            fields["params"] = json.dumps(spec, separators=(",", ":"))
+        r.hset(keys.config, mapping=fields)
         return True
     check_config(r, keys, run_hash)
     return False
+
+
+def load_param_spec(r: redis.Redis, keys: RunKeys) -> Any:
+    """The stored parameter spec of a user-task run (parsed JSON, unvalidated), or None.
+
+    Raises:
+        DecodeError: The field is over 64 MiB or not JSON.
+    """
+    if r.hstrlen(keys.config, "params") > MAX_SPEC_BYTES:
+        raise DecodeError(f"run {keys.run!r}: the stored parameter spec is over "
+                          f"{MAX_SPEC_BYTES} bytes")
+    raw = r.hget(keys.config, "params")
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DecodeError(f"run {keys.run!r}: the stored parameter spec is not JSON") from e
 
 
 def load_config(r: redis.Redis, keys: RunKeys, wait_s: float = 0.0) -> tuple[str, str]:

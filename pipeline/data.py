@@ -61,11 +61,21 @@ def data_format(cfg: DataConfig) -> str:
     return _AUTO_FORMATS.get(Path(cfg.source).suffix.lower(), "text")
 
 
+_cache_root: Path | None = None
+
+
+def set_cache_dir(path: str | Path | None) -> None:
+    """Cache text and JSONL corpora under `path` (None: the default). The processes call it
+    with ``$DILOCO_DATA_CACHE`` (`workers.common.apply_environment`); pipeline/ reads no
+    environment itself."""
+    global _cache_root
+    _cache_root = Path(path).expanduser() if path else None
+
+
 def cache_dir() -> Path:
-    """Where text and JSONL corpora are cached as bytes: ``$DILOCO_DATA_CACHE`` or
+    """Where text and JSONL corpora are cached as bytes: the folder `set_cache_dir` chose, or
     ``~/.cache/diloco/data``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "diloco" / "data"
+    return _cache_root or Path.home() / ".cache" / "diloco" / "data"
 
 
 def load_tokens(cfg: DataConfig) -> np.ndarray:

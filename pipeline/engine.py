@@ -28,7 +28,7 @@ from pipeline.fragments import fragment_sizes, partition
 from pipeline.learner import LearnerCore, Push
 from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundResult
 from pipeline.task import n_params, task_of
-from pipeline.train import evaluate, inner_optimizer, make_step
+from pipeline.train import evaluate, make_step
 
 # Per-message framing overhead used when no wire codec is injected (header + field names).
 DEFAULT_OVERHEAD_BYTES = 256
@@ -90,7 +90,7 @@ class Engine:
         self.corpus = corpus
         self.wire = wire or WireSizes()
         self.on_event = on_event or (lambda kind, data: None)
-        self.task = task_of(cfg)
+        self.task = task_of(cfg, local=cfg.task)  # the caller's own configuration
         self.shapes = self.task.param_shapes()
         self.n_params = n_params(self.task)
         self.eval_batches = corpus.eval_batches(cfg.data.eval_batches, cfg.inner.batch_size)
@@ -122,7 +122,7 @@ class Engine:
     def _run_ddp(self) -> dict:
         cfg, M = self.cfg, self.cfg.learners
         params = self.task.init_params(cfg.seed)
-        opt = inner_optimizer(cfg.inner, cfg.steps)
+        opt = self.task.optimizer()
         opt_state = opt.init(params)
         step_fn = make_step(self.task, opt)
         first = self._eval(params, 0, 0.0)
@@ -158,7 +158,7 @@ class Engine:
         start = {}
         for s in self.syncers:
             start.update(s.sent_values)
-        opt = inner_optimizer(cfg.inner, cfg.steps)
+        opt = self.task.optimizer()
         self.opt = opt
         self.step_fn = make_step(self.task, opt)
         speeds = eng.speeds or (1.0,) * M

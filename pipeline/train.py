@@ -14,24 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipeline.config import InnerConfig
-from pipeline.task import Params, Task
+from pipeline.task import Params, Task, inner_optimizer
 
-
-def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule."""
-    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else cfg.lr,
-        peak_value=cfg.lr,
-        warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
+__all__ = ["evaluate", "inner_optimizer", "make_step"]
 
 
 def make_step(task: Task, opt: optax.GradientTransformation) -> Callable:
@@ -60,7 +45,7 @@ def evaluate(params: Params, batches: np.ndarray, task: Task) -> dict[str, float
     """Mean loss (nats/token) and next-token accuracy over fixed evaluation batches."""
     losses, accs = [], []
     for b in batches:
-        loss, acc = _eval_batch(params, jnp.asarray(b), task)
+        loss, acc = _eval_batch(params, jax.tree_util.tree_map(jnp.asarray, b), task)
         losses.append(float(loss))
         accs.append(float(acc))
     return {"loss": float(np.mean(losses)), "accuracy": float(np.mean(accs))}

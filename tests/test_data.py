@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import config as cfgmod
+from pipeline import data as data_mod
 from pipeline.config import DataConfig
 from pipeline.data import load_tokens, make_corpus, run_corpus
 
@@ -20,7 +21,7 @@ from pipeline.data import load_tokens, make_corpus, run_corpus
 def cache(tmp_path, monkeypatch):
     """Every test builds its caches in its own folder."""
     folder = tmp_path / "cache"
-    monkeypatch.setenv("DILOCO_DATA_CACHE", str(folder))
+    monkeypatch.setattr(data_mod, "_cache_root", folder)
     return folder
 
 
@@ -125,7 +126,7 @@ def test_cache_is_reused_and_rebuilt_when_the_input_changes(tmp_path, cache):
 
 def test_unwritable_cache_falls_back_to_memory(tmp_path, monkeypatch, caplog):
     (tmp_path / "a-file").write_text("not a folder")
-    monkeypatch.setenv("DILOCO_DATA_CACHE", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(data_mod, "_cache_root", tmp_path / "a-file" / "cache")
     src = tmp_path / "book.txt"
     src.write_text("some text\n" * 2000)
     with caplog.at_level(logging.WARNING, logger="diloco.data"):

@@ -3,6 +3,7 @@ fragments. Both roles do this on start, and so does every tool that reads a run.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,16 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.keys import RunKeys
 from pipeline import config as cfgmod
-from pipeline import quant
+from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.task import Task, task_of
+from pipeline.task import Task, TaskNotNamed, spec_task, task_of
+
+
+def apply_environment() -> None:
+    """Settings a process takes from its environment: ``DILOCO_DATA_CACHE`` (where text and
+    JSONL corpora are cached, `pipeline.data`)."""
+    data.set_cache_dir(os.environ.get(data.CACHE_ENV) or None)
 
 
 @dataclass
@@ -32,13 +39,18 @@ class RunContext:
 
 
 def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
-             wait_s: float = 30.0, verify: bool = True) -> RunContext:
+             wait_s: float = 30.0, verify: bool = True, task: str | None = None,
+             need_code: bool = False) -> RunContext:
     """Connect and load the run configuration stored in Redis (waiting up to `wait_s`).
 
     Args:
         verify: check that the stored configuration hashes to the stored run hash (every
             process that takes part in the run, and replay); the read-only tools (status,
             inspect, plot, export) show a run whatever wrote it and pass False.
+        task: The user task this process's command line names (``--task``): imported only
+            when the run trains that task (`pipeline.task.task_of`). Without it, a user-task
+            run opens from its stored parameter spec (shapes and embeddings, no code).
+        need_code: Refuse to open a user-task run without its code (learners, replay).
 
     Raises:
         BrokerError: The run has no configuration (or is stored under old key names).
@@ -57,10 +69,29 @@ def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
     r = connect(redis_url, socket_timeout_s=cfg.broker.socket_timeout_s,
                 block_ms=cfg.broker.block_ms)
     probe.close()
-    task = task_of(cfg)
-    shapes = task.param_shapes()
-    frags = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)
-    return RunContext(r, keys, cfg, run_hash, shapes, frags, task)
+    task_ = _task(r, keys, cfg, task, need_code)
+    shapes = task_.param_shapes()
+    frags = partition(shapes, cfg.effective_sync().fragments, task_.is_embedding)
+    return RunContext(r, keys, cfg, run_hash, shapes, frags, task_)
+
+
+def _task(r: redis.Redis, keys: RunKeys, cfg: RunConfig, local: str | None,
+          need_code: bool) -> Task:
+    """The run's task: built in, imported (named locally) or from the stored spec."""
+    if cfg.task in cfgmod.TASKS or local == cfg.task or need_code:
+        task = task_of(cfg, local)
+        spec = None if cfg.task in cfgmod.TASKS else registry.load_param_spec(r, keys)
+        if spec is not None and spec_task(cfg, spec).param_shapes() != task.param_shapes():
+            raise cfgmod.ConfigError(f"task {cfg.task!r}: this process's code builds other "
+                                     f"parameters than the run's stored spec (a different "
+                                     f"version of the task?)")
+        return task
+    spec = registry.load_param_spec(r, keys)
+    if spec is None:
+        raise TaskNotNamed(f"run {keys.run!r} trains the user task {cfg.task!r} and has no "
+                           f"stored parameter spec: pass --task {cfg.task}")
+    return spec_task(cfg, spec)
+
 
 
 def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:

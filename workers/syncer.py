@@ -34,7 +34,7 @@ from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
 from pipeline.syncer import FragmentSyncer, RoundResult
 from workers import native
-from workers.common import RunContext, decode_values, open_run
+from workers.common import RunContext, apply_environment, decode_values, open_run
 
 log = logging.getLogger("diloco.syncer")
 
@@ -69,6 +69,9 @@ class SyncerConfig:
     wait_config_s: float = 60.0
     metrics_port: int = 0                    # Prometheus text endpoint (0: off)
     faults: CommitFaults = CommitFaults()
+    # the user task this process may import: only to initialise a fragment that has no state
+    # yet (shapes come from the run's stored spec otherwise); never its data
+    task: str | None = None
 
 
 @dataclass
@@ -523,7 +526,8 @@ class Syncer:
 def main(cfg: SyncerConfig) -> int:
     """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
     native.install()
-    ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s)
+    apply_environment()
+    ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task)
     zctx = zmq.Context()
     s = Syncer(cfg, ctx, zctx)
     if cfg.metrics_port:
@@ -558,6 +562,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-rounds", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics on this port (default: off)")
+    ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
+                    help="the run's user task, imported to initialise fragments (only when the "
+                         "run names the same task)")
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
@@ -567,7 +574,8 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         metrics_port=a.metrics_port,
-                        faults=CommitFaults(a.fail_before_commit, a.fail_after_commit))
+                        faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
+                        task=a.task)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def machine() -> str:
 
 
 def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTensor]:
-    task = task_of(cfg)
+    task = task_of(cfg, local=cfg.task)
     shapes = task.param_shapes()
     names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     rng = np.random.default_rng(seed)
@@ -138,7 +138,7 @@ def _before(entry_id: str) -> str:
 
 
 def _frag_params(cfg: RunConfig, p: int) -> int:
-    task = task_of(cfg)
+    task = task_of(cfg, local=cfg.task)
     shapes = task.param_shapes()
     names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     return int(sum(np.prod(shapes[n]) for n in names))

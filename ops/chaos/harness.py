@@ -36,7 +36,7 @@ from ops.cluster import RedisServer, Supervisor, TcpProxy, free_port, role_cmd
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
-from pipeline.task import task_of
+from pipeline.task import stored_spec, task_of
 
 log = logging.getLogger("diloco.chaos")
 
@@ -63,7 +63,7 @@ class ChaosRun:
         self.restarts: list[tuple[str, float]] = []
         self.faults: list[dict] = []
         self._pending_events: list[dict] = []
-        self.task = task_of(cfg)
+        self.task = task_of(cfg, local=cfg.task)  # this process's own configuration
         self.frags = partition(self.task.param_shapes(), cfg.effective_sync().fragments,
                                self.task.is_embedding)
         self.history: list[dict] = []
@@ -92,13 +92,14 @@ class ChaosRun:
             d.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(workdir=self.run_dir / "redis").start()
         self.sup = Supervisor(self.cfg, self.run, self.redis.url, self.run_dir)
-        registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash())
+        registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash(),
+                              spec=stored_spec(self.cfg))
         self.sync_ports = {"syncer-0": free_port()}
         if self.standby:
             self.sync_ports["syncer-1"] = free_port()
         for sid, port in self.sync_ports.items():
             self.sup.spawn(sid, role_cmd("syncer", self.redis.url, self.run, "--id", sid,
-                                         "--bind", f"tcp://127.0.0.1:{port}"))
+                                         "--bind", f"tcp://127.0.0.1:{port}", cfg=self.cfg))
         for m in range(self.cfg.learners):
             name = f"L{m}"
             rp = TcpProxy("127.0.0.1", self.redis.port)
@@ -106,7 +107,7 @@ class ChaosRun:
             self.proxies[name] = [rp, *zps]
             cmd = role_cmd("learner", f"redis://{rp.address}/0", self.run, "--id", name,
                            "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
-                           "--delay-s", str(self.delays_s.get(name, 0.0)))
+                           "--delay-s", str(self.delays_s.get(name, 0.0)), cfg=self.cfg)
             for zp in zps:
                 cmd += ["--sub-endpoint", f"tcp://{zp.address}"]
             self.sup.spawn(name, cmd)

@@ -12,6 +12,7 @@ import argparse
 
 from ops.cli import bench, chaos, goodput, roles, run, tools
 from workers import native
+from workers.common import apply_environment
 
 # In the order they appear in --help.
 _COMMANDS = (run, roles, tools, chaos, bench, goodput)
@@ -35,4 +36,5 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
+    apply_environment()
     return int(args.func(args) or 0)

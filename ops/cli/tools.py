@@ -75,6 +75,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                    help="stop after the round that produced VERSION")
     p.add_argument("--archive", default=None, metavar="DIR",
                    help="also read archived entries (msgpack files) from DIR")
+    p.add_argument("--task", default=None, metavar="MODULE:FACTORY",
+                   help="the run's user task (its initial parameters start the replay)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=_replay)
 
@@ -82,7 +84,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     """Entry point of ``diloco replay``: print the report, return the exit code."""
     report = replay.replay(args.redis_url, args.run, fragment=args.fragment, until=args.until,
-                           archive_dir=args.archive)
+                           archive_dir=args.archive, task=args.task)
     if args.json:
         print_json(report)
     else:

@@ -20,10 +20,9 @@ from ops.cluster import artifacts
 from ops.cluster.redis_server import RedisServer
 from ops.cluster.supervisor import Supervisor, role_cmd, store_run_config
 from pipeline.config import RunConfig
-from pipeline.data import Corpus, run_corpus
 from pipeline.engine import ring_allreduce_bytes_per_step
 from pipeline.fragments import fragment_sizes
-from pipeline.task import n_params
+from pipeline.task import Data, n_params
 
 Progress = Callable[[float], None]  # called about once a second with the seconds since start
 
@@ -45,12 +44,12 @@ class Launcher:
         self.history: list[dict] = []
 
     def start(self) -> None:
-        self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run))
+        self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run, cfg=self.cfg))
         for m in range(self.cfg.learners):
             self.sup.spawn(f"L{m}", role_cmd("learner", self.sup.url, self.sup.run,
-                                             "--id", f"L{m}", *self.learner_args))
+                                             "--id", f"L{m}", *self.learner_args, cfg=self.cfg))
 
-    def evaluate(self, corpus: Corpus, log: artifacts.MetricsLog, t0: float) -> dict | None:
+    def evaluate(self, corpus: Data, log: artifacts.MetricsLog, t0: float) -> dict | None:
         try:
             m = self.sup.evaluate(corpus)
         except BrokerError:
@@ -70,7 +69,7 @@ class Launcher:
                                            registry.syncer_records(r, keys).items()},
                                "live": sorted(registry.live_learners(r, keys))})
 
-    def wait(self, corpus: Corpus, log: artifacts.MetricsLog,
+    def wait(self, corpus: Data, log: artifacts.MetricsLog,
              progress: Progress | None = None) -> float:
         t0 = time.monotonic()
         next_eval = t0 + 2.0
@@ -89,7 +88,7 @@ class Launcher:
                 next_eval = time.monotonic() + self.eval_every_s
             time.sleep(1.0)
 
-    def summary(self, wall_s: float, corpus: Corpus, log: artifacts.MetricsLog,
+    def summary(self, wall_s: float, corpus: Data, log: artifacts.MetricsLog,
                 initial_eval_loss: float) -> dict:
         cfg, r, keys = self.cfg, self.sup.r, self.sup.keys
         final = self.sup.evaluate(corpus)
@@ -164,9 +163,9 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         run_dir = artifacts.new_run_dir(out, run_name)
         artifacts.write_config(run_dir, cfg)
         log = artifacts.MetricsLog(run_dir / "metrics.jsonl")
-        corpus = run_corpus(cfg)
         la = Launcher(cfg, run_name, url, run_dir,
                       learner_args=["--pace-s", str(pace_s)] if pace_s else [])
+        corpus = la.sup.task.data()
         initial = la.sup.evaluate_params(la.sup.task.init_params(cfg.seed),
                                          corpus)["eval_loss"]
         la.history.append({"tokens": 0, "wall_s": 0.0, "eval_loss": initial})

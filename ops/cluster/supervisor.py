@@ -26,9 +26,8 @@ from broker.keys import RunKeys
 from broker.state import unpack_state
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
-from pipeline.data import Corpus
 from pipeline.fragments import partition
-from pipeline.task import task_of
+from pipeline.task import Data, stored_spec, task_of
 from pipeline.train import evaluate
 
 log = logging.getLogger("diloco.supervisor")
@@ -57,15 +56,19 @@ def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
     """Store the run configuration; False if the same one was stored already."""
     r = connect(redis_url)
     try:
-        return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash())
+        return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash(),
+                                     spec=stored_spec(cfg))
     finally:
         r.close()
 
 
-def role_cmd(role: str, redis_url: str, run: str, *args: str) -> list[str]:
-    """The command line of one role process (``syncer`` or ``learner``)."""
+def role_cmd(role: str, redis_url: str, run: str, *args: str, cfg: RunConfig | None = None
+             ) -> list[str]:
+    """The command line of one role process (``syncer`` or ``learner``); with the run's
+    configuration `cfg`, it names the run's user task (``--task``) so the process imports it."""
+    task = ["--task", cfg.task] if cfg is not None and cfg.task not in cfgmod.TASKS else []
     return [sys.executable, "-m", f"workers.{role}", "--redis-url", redis_url, "--run", run,
-            *args]
+            *task, *args]
 
 
 class Supervisor:
@@ -86,7 +89,7 @@ class Supervisor:
         self.logs = run_dir / "logs"
         self.procs: dict[str, subprocess.Popen] = {}
         self.cmds: dict[str, list[str]] = {}
-        self.task = task_of(cfg)
+        self.task = task_of(cfg, local=cfg.task)  # this process's own configuration
         self.frags = partition(self.task.param_shapes(), cfg.effective_sync().fragments,
                                self.task.is_embedding)
         self.r = connect(redis_url)
@@ -158,7 +161,7 @@ class Supervisor:
         """The global parameters and each fragment's version (see :func:`global_params`)."""
         return global_params(self.r, self.keys, len(self.frags))
 
-    def evaluate(self, corpus: Corpus) -> dict:
+    def evaluate(self, data: Data) -> dict:
         """Evaluation loss and accuracy of the global model on the held-out split.
 
         Returns:
@@ -169,13 +172,13 @@ class Supervisor:
             redis.ConnectionError, redis.TimeoutError: Redis did not answer.
         """
         params, versions = self.global_model()
-        return {**self.evaluate_params(params, corpus), "versions": versions}
+        return {**self.evaluate_params(params, data), "versions": versions}
 
-    def evaluate_params(self, params: dict[str, np.ndarray], corpus: Corpus) -> dict:
+    def evaluate_params(self, params: dict[str, np.ndarray], data: Data) -> dict:
         """Evaluation loss and accuracy of `params` on the held-out split."""
         if self._eval_batches is None:
-            self._eval_batches = corpus.eval_batches(self.cfg.data.eval_batches,
-                                                     self.cfg.inner.batch_size)
+            self._eval_batches = data.eval_batches(self.cfg.data.eval_batches,
+                                                   self.cfg.inner.batch_size)
         m = evaluate({k: jnp.asarray(v) for k, v in params.items()}, self._eval_batches,
                      self.task)
         return {"eval_loss": m["loss"], "eval_accuracy": m["accuracy"]}

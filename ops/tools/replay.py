@@ -60,8 +60,12 @@ def exit_code(report: dict) -> int:
 
 
 def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
-           until: int | None = None, archive_dir: str | Path | None = None) -> dict:
+           until: int | None = None, archive_dir: str | Path | None = None,
+           task: str | None = None) -> dict:
     """Replay a run and return the report (the stable ``--json`` document).
+
+    A run of a user task replays from the task's initial parameters: `task` must name it
+    (`pipeline.task.task_of`).
 
     Keys: ``run``, ``config_hash``, ``until``, ``archive``, ``error`` (null or why nothing could
     be replayed), ``status`` ("verified", "diverged" or "incomplete"), ``ok`` (true iff
@@ -77,7 +81,8 @@ def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
                               "archive": None if archive_dir is None else str(archive_dir),
                               "error": None, "fragments": []}
     try:
-        ctx = open_run(redis_url, run_name, wait_s=0)  # verifies the configuration's hash
+        # verifies the configuration's hash
+        ctx = open_run(redis_url, run_name, wait_s=0, task=task, need_code=True)
         r, keys, cfg, frags = ctx.r, ctx.keys, ctx.cfg, ctx.fragments
         report["config_hash"] = ctx.run_hash
         todo = list(range(len(frags))) if fragment is None else [fragment]

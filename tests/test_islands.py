@@ -1,0 +1,46 @@
+"""Learner islands over several devices in a real run: a 4-device island (forced host devices)
+and a 1-device learner train one run, end with identical parameters, and the run replays."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from test_user_task import ROOT, TINY, _spawn
+
+from broker import registry
+from ops.cluster import store_run_config
+from ops.tools import replay
+from pipeline import config as cfgmod
+from workers.common import open_run
+
+
+def test_islands_of_one_and_four_devices_complete_and_replay(redis_url, tmp_path,
+                                                              monkeypatch):
+    cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 60})
+    assert store_run_config(redis_url, "islands", cfg)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    base = [sys.executable, "-m"]
+    args = ["--redis-url", redis_url, "--run", "islands"]
+    procs = {"syncer": _spawn(base + ["workers.syncer", *args], tmp_path / "syncer.log"),
+             "L0": _spawn(base + ["workers.learner", *args, "--id", "L0"], tmp_path / "L0.log")}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    procs["L1"] = _spawn(base + ["workers.learner", *args, "--id", "L1", "--devices", "4"],
+                         tmp_path / "L1.log")
+    try:
+        deadline = time.monotonic() + 300
+        for name in ("L0", "L1", "syncer"):
+            left = max(1.0, deadline - time.monotonic())
+            assert procs[name].wait(left) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    ctx = open_run(redis_url, "islands", wait_s=0)
+    reports = registry.learner_final_reports(ctx.r, ctx.keys)
+    assert sorted(reports) == ["L0", "L1"]
+    assert reports["L0"].hashes == reports["L1"].hashes and reports["L1"].steps == 60
+    beats = registry.learner_records(ctx.r, ctx.keys)
+    assert beats["L1"].devices == 4 and beats["L0"].devices == 1
+    assert beats["L1"].max_tokens_per_step == 8 * 32
+    assert replay.replay(redis_url, "islands")["status"] == "verified"

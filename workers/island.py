@@ -1,0 +1,523 @@
+"""The learner as a library: join a run from your own JAX training loop.
+
+`Island` does everything a learner does around the inner step, and nothing of the step
+itself: it joins the run (subscribing first, then reading every fragment's latest merged value),
+resumes from its checkpoint, pushes each fragment's outer gradient when it is due, applies
+merged values τ steps after the push, sends heartbeats, checkpoints the sync bookkeeping, and
+takes part in the final flush. The loop — the model, the optimizer, the data, the devices —
+stays the caller's::
+
+    with Island(IslandConfig(redis_url, run="demo", learner_id="L3", task="mypkg.task:make"),
+                like=params) as island:
+        params, opt_state = island.start(params, opt_state)
+        while not island.done:
+            batch = my_batches(island.shard, island.step)
+            params, opt_state, loss = my_step(params, opt_state, batch)
+            params = island.after_step(params, opt_state=opt_state, loss=loss)
+        params = island.finish(params)
+
+Parameters are the caller's own pytree (nested dicts and lists) with the run's parameter names
+(`pipeline.tree`: paths joined by ``/``) and shapes; `after_step` returns the same structure.
+Merged values arrive on the network thread (`workers.learner_net`) and are applied only inside
+`after_step`, so the step is never interrupted. An island over several devices passes `place`
+(`pipeline.mesh.Placement.params`) and gets merged values back on its mesh.
+
+The CLI learner (`workers/learner.py`) is this class with the run's own task and loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zmq
+
+from broker import codec, registry
+from broker.errors import BrokerError
+from broker.records import FinalPushes, Heartbeat, LearnerFinal
+from pipeline import quant, tree
+from pipeline.learner import LearnerCore, Push
+from workers.common import RunContext, open_run, read_snapshot
+from workers.learner_net import LearnerNet, read_push_log
+
+log = logging.getLogger("diloco.learner")
+
+Placer = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class IslandConfig:
+    """One learner ("island": one or more local devices). Everything about the run comes from
+    Redis; `task` names the user task this process may import (`pipeline.task.task_of`)."""
+
+    redis_url: str
+    run: str
+    learner_id: str = "L0"
+    shard: int | None = None       # data shard (default: the number in the id)
+    task: str | None = None        # the user task this process's command line names
+    sync: bool = True              # False: train alone (the "syncing off" baseline)
+    wait_config_s: float = 60.0
+    final_timeout_s: float = 300.0
+    state_dir: str | None = None   # checkpoint and acknowledged-push log
+    checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
+    sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
+    devices: int = 1               # devices of this island (reported in heartbeats)
+
+
+def shard_of(learner_id: str, shard: int | None, learners: int) -> int:
+    """The data shard of a learner: `shard`, else the trailing number of its id, else 0.
+
+    Raises:
+        ValueError: The shard is not one of the run's ``learners`` shards.
+    """
+    if shard is None:
+        m = re.search(r"(\d+)$", learner_id)
+        shard = int(m.group(1)) if m else 0
+    if not 0 <= shard < learners:
+        raise ValueError(f"learner {learner_id}: shard {shard} is out of range "
+                         f"[0, {learners - 1}]")
+    return shard
+
+
+class Island:
+    """A learner around a caller's training loop (see the module docstring).
+
+    Args:
+        cfg: Where and who.
+        ctx: An opened run (default: open ``cfg.run`` on ``cfg.redis_url``).
+        zctx: The ZeroMQ context (default: a new one, terminated by `close`).
+        place: Puts a flat ``name → array`` dict where the step wants it (several devices);
+            default `jax.numpy.asarray` (the default device).
+    """
+
+    def __init__(self, cfg: IslandConfig, *, ctx: RunContext | None = None,
+                 zctx: zmq.Context | None = None, place: Placer | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s,
+                                   task=cfg.task)
+        self._own_zctx = zctx is None
+        self.zctx = zctx or zmq.Context()
+        self.run_cfg = self.ctx.cfg
+        self.sync = self.run_cfg.effective_sync()
+        self.id = cfg.learner_id
+        self.shard = shard_of(cfg.learner_id, cfg.shard, self.run_cfg.learners)
+        self.total_steps = self.run_cfg.steps
+        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else None
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._push_log = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
+        self.net = LearnerNet(self.ctx, self.id, self.zctx, acked_log=self._push_log,
+                              sub_endpoints=cfg.sub_endpoints)
+        self._place = place or (lambda flat: {k: jnp.asarray(v) for k, v in flat.items()})
+        self.tokens_per_step = self.ctx.task.tokens_per_step()
+        self.every = cfg.checkpoint_every or self.sync.delta_h
+        self.secs = [0.0] * len(self.ctx.fragments)
+        self.step_s = 0.0
+        self.step = 0
+        self.tokens_done = 0
+        self.train_s = 0.0
+        self.steady_steps_per_s = 0.0
+        self.report: LearnerFinal | None = None
+        self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
+        self._params: dict[str, Any] | None = None  # flat, as of the last after_step
+        self._treedef: Any = None
+        self._names: list[str] = []
+        self._prior: Heartbeat | None = None
+        self._joined: tuple[list[int], dict[str, np.ndarray]] | None = None
+        self._push_time: dict[int, float] = {}
+        self._t_last = self._t_start = self._t_first = 0.0
+        self._t_rate, self._tok_rate = 0.0, 0
+        self._steps_here = 0
+        self._closed = False
+
+    # -- the caller's loop -----------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True once the run's step count is reached or the run was told to stop or finish."""
+        return (self.step >= self.total_steps or self.net.stop_seen or self.net.finish_seen)
+
+    def start(self, like: Any = None, opt_state: Any = None) -> tuple[Any, Any]:
+        """Join the run: (parameters, optimizer state) to train from.
+
+        Args:
+            like: The caller's parameter tree (its structure; values are ignored), whose names
+                and shapes must be the run's. None: parameters as a flat ``name → array`` dict.
+            opt_state: The caller's optimizer state for these parameters, or a function that
+                makes it from the parameters (``optimizer.init``): returned restored from this
+                island's checkpoint when it has one, else as given (made).
+
+        Returns:
+            The run's latest merged parameters (or the checkpointed ones, with their unpushed
+            progress) in the structure of `like`, and the optimizer state.
+
+        Raises:
+            ValueError: `like` has other names or shapes than the run's parameters.
+            BrokerError: A fragment has no merged value within ``wait_config_s``.
+        """
+        if like is not None:
+            self._check_like(like)
+            self._treedef = jax.tree_util.tree_structure(like)
+            self._names = list(tree.flatten(like))
+        self._join()
+        if callable(opt_state):
+            opt_state = opt_state(self._out(self._params))
+        self.step, self.tokens_done, opt_state = self._resume(opt_state)
+        self._t_last = self._t_start = self._t_rate = time.monotonic()
+        self._tok_rate = self.tokens_done
+        return self._out(self._params), opt_state
+
+    def after_step(self, params: Any, *, opt_state: Any = None, loss: Any = None,
+                   tokens: int | None = None) -> Any:
+        """Count one inner step; push, apply, report and checkpoint what is due.
+
+        Args:
+            params: The parameters after the step (the structure `start` returned).
+            opt_state: The optimizer state after the step, saved with checkpoints (None: a
+                restarted island starts a fresh optimizer state).
+            loss: The step's loss, reported in heartbeats (reading it waits for the step).
+            tokens: Tokens of this step (default: the task's tokens per step).
+
+        Returns:
+            The parameters to continue from: the same values unless a merged value was due.
+        """
+        now = time.monotonic()
+        dt = now - self._t_last
+        self._t_last = now
+        self.step += 1
+        self._steps_here += 1
+        if self._steps_here == 1:
+            self._t_first = now  # the first step of a process includes compilation
+        n_tok = self.tokens_per_step if tokens is None else int(tokens)
+        self.tokens_done += n_tok
+        self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
+        for p in range(len(self.secs)):
+            self.secs[p] += dt
+        flat = self._flat(params)
+        if self.cfg.sync:
+            applied = self.core.applied
+            self._drain_inbox()
+            flat, pushes = self.core.after_step(self.step, n_tok, flat)
+            self._reset_secs()
+            for push in pushes:
+                self._send(push)
+                self._push_time[push.fragment] = time.monotonic()
+            if self.core.blocked(self.step):
+                flat = self._wait_until_unblocked(flat)
+                self._reset_secs()
+            self._check_timeouts(time.monotonic())
+            if self.core.applied != applied:
+                flat = self._place(flat)
+        self._params = flat
+        now = time.monotonic()
+        if now - self._t_rate >= 1.0:
+            tps = (self.tokens_done - self._tok_rate) / (now - self._t_rate)
+            self._t_rate, self._tok_rate = now, self.tokens_done
+            self.net.report(step=self.step, tokens=self.tokens_done, tokens_per_s=tps,
+                            step_s=self.step_s, versions=list(self.core.base_version),
+                            loss=None if loss is None else float(loss), pid=os.getpid(),
+                            host=socket.gethostname(), shard=self.shard,
+                            devices=self.cfg.devices,
+                            max_tokens_per_step=self.tokens_per_step)
+        if self.state_dir is not None and self.step % self.every == 0:
+            self._checkpoint(opt_state)
+        return self._out(flat)
+
+    def finish(self, params: Any = None) -> Any:
+        """Final flush: push the remaining progress, wait for the final rounds, adopt their
+        values. Returns the final parameters (what every learner of the run ends with).
+
+        Raises:
+            BrokerError: The syncers did not close the final rounds in ``final_timeout_s``.
+        """
+        if params is not None:
+            self._params = self._flat(params)
+        self.report = self._finish()
+        return self._out(self._params)
+
+    def close(self) -> None:
+        """Leave the run: stop the network thread, deregister, end the ZeroMQ context."""
+        if self._closed:
+            return
+        self._closed = True
+        self.net.close()
+        try:
+            registry.leave(self.ctx.r, self.ctx.keys, self.id)
+        finally:
+            if self._own_zctx:
+                self.zctx.term()
+
+    def __enter__(self) -> Island:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- structure -------------------------------------------------------------------------------
+
+    def _check_like(self, like: Any) -> None:
+        flat = tree.flatten(like)
+        want = self.ctx.shapes
+        if set(flat) != set(want):
+            extra, missing = sorted(set(flat) - set(want)), sorted(set(want) - set(flat))
+            raise ValueError(f"the parameters are not the run's: extra {extra[:3]}, "
+                             f"missing {missing[:3]}")
+        for n, v in flat.items():
+            if tuple(np.shape(v)) != tuple(want[n]):
+                raise ValueError(f"parameter {n}: shape {tuple(np.shape(v))}, the run's is "
+                                 f"{tuple(want[n])}")
+
+    def _flat(self, params: Any) -> dict[str, Any]:
+        return tree.flatten(params) if self._treedef is not None else dict(params)
+
+    def _out(self, flat: dict[str, Any]) -> Any:
+        if self._treedef is None:
+            return flat
+        return jax.tree_util.tree_unflatten(self._treedef, [flat[n] for n in self._names])
+
+    # -- joining and the network -----------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
+        # the last heartbeat of a previous incarnation, read before ours overwrites it
+        self._prior = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
+        if self._prior:
+            self.net.report(step=self._prior.step, tokens=self._prior.tokens)
+        self.net.start()
+        values: dict[str, np.ndarray] = {}
+        versions = []
+        deadline = time.monotonic() + self.cfg.wait_config_s
+        for p in range(len(self.ctx.fragments)):
+            snap = read_snapshot(self.ctx, p)
+            while snap is None:
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"fragment {p} has no global value in Redis; is a syncer "
+                                      f"running for run {self.ctx.keys.run!r}?")
+                time.sleep(0.1)
+                snap = read_snapshot(self.ctx, p)
+            versions.append(snap[0])
+            values.update(snap[1])
+            self.net.joined_at(p, snap[0])
+        self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+        self._params = self._place({k: values[k] for k in self.ctx.shapes})
+        self._joined = (versions, values)
+        rejoin = any(versions)
+        registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
+                       versions=versions, pid=os.getpid(), devices=self.cfg.devices)
+
+    def _drain_inbox(self, timeout_s: float = 0.0) -> int:
+        n = 0
+        try:
+            item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
+                self.net.inbox.get_nowait()
+            while True:
+                p, version, values = item
+                self.core.on_global(p, version, values)
+                n += 1
+                item = self.net.inbox.get_nowait()
+        except queue.Empty:
+            return n
+
+    def _send(self, push: Push, final: bool = False) -> None:
+        meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
+                                       seconds=self.secs[push.fragment], final=final)
+        self.net.push(push.fragment, codec.entry_fields(meta, push.payload))
+
+    def _wait_until_unblocked(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """Blocking modes: wait for the merged value (repairing from the snapshot on timeout)."""
+        while self.core.blocked(self.step):
+            if not self._drain_inbox(timeout_s=self.run_cfg.broker.snapshot_timeout_s):
+                for p, f in enumerate(self.core.inflight):
+                    if f is not None and self.core.pending[p] is None:
+                        self.net.request_snapshot(p)
+        return self.core.apply_due(self.step, flat)
+
+    def _check_timeouts(self, now: float) -> None:
+        for p, f in enumerate(self.core.inflight):
+            if f is None or self.core.pending[p] is not None:
+                continue
+            sent_at = self._push_time.get(p)
+            if sent_at is not None and now - sent_at > self.run_cfg.broker.snapshot_timeout_s:
+                self.net.request_snapshot(p)
+                self._push_time[p] = now
+
+    def _reset_secs(self) -> None:
+        for p in range(len(self.secs)):
+            if self.core.steps[p] == 0:
+                self.secs[p] = 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _ckpt_path(self) -> Path | None:
+        return self.state_dir / f"{self.id}.ckpt.npz" if self.state_dir else None
+
+    def _checkpoint(self, opt_state: Any) -> None:
+        """Everything a restart needs to lose only the steps since this checkpoint, written
+        atomically (temp file + rename): position, optimizer state, the parameters with
+        their unpushed progress, and the sync bookkeeping (bases, counters, push in flight)."""
+        path = self._ckpt_path()
+        leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
+        meta, core_arrays = self.core.state_dict()
+        meta["secs"] = list(self.secs)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, step=self.step, tokens=self.tokens_done, run_hash=self.ctx.run_hash,
+                 core=json.dumps(meta), opt_leaves=len(leaves),
+                 **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
+                 **{f"theta/{n}": np.asarray(v) for n, v in self._params.items()},
+                 **{f"core/{k}": v for k, v in core_arrays.items()})
+        os.replace(tmp, path)
+
+    def _resume(self, opt_state: Any) -> tuple[int, int, Any]:
+        """(step, tokens, optimizer state) to continue from after a restart.
+
+        From the island's own checkpoint when it has one; else the step from its last
+        heartbeat in Redis with the given optimizer state; else from scratch.
+        """
+        path = self._ckpt_path()
+        if path is not None and path.exists():
+            with np.load(path) as z:
+                if str(z["run_hash"]) == self.ctx.run_hash:
+                    step, tokens = int(z["step"]), int(z["tokens"])
+                    opt_state = self._restore_opt(z, opt_state)
+                    progress = "core" in z.files and self._restore_progress(z)
+                    registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
+                                   step=step, source="checkpoint", progress=int(progress))
+                    return step, tokens, opt_state
+        rec = self._prior
+        if rec and rec.step:
+            registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
+                           step=rec.step, source="heartbeat")
+            return int(rec.step), int(rec.tokens), opt_state
+        return 0, 0, opt_state
+
+    def _restore_opt(self, z, opt_state: Any) -> Any:
+        """The checkpointed optimizer state in the structure of `opt_state` (kept as given
+        when the checkpoint has none or another structure)."""
+        if opt_state is None:
+            return None
+        treedef = jax.tree_util.tree_structure(opt_state)
+        n = treedef.num_leaves
+        saved = int(z["opt_leaves"]) if "opt_leaves" in z.files else n
+        if saved != n or any(f"leaf{i}" not in z.files for i in range(n)):
+            log.warning("%s: checkpointed optimizer state does not fit; starting it afresh",
+                        self.id)
+            return opt_state
+        like = jax.tree_util.tree_leaves(opt_state)
+        leaves = [jax.device_put(z[f"leaf{i}"], getattr(x, "sharding", None))
+                  for i, x in enumerate(like)]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _restore_progress(self, z) -> bool:
+        """Resume the checkpointed parameters and sync bookkeeping instead of the snapshots read
+        at join: the unpushed progress of every fragment survives the restart. A push in flight
+        that Redis never acknowledged is forgotten (its progress goes out with the next push);
+        the snapshots newer than the checkpoint's bases are applied the usual way."""
+        try:
+            meta = json.loads(str(z["core"]))
+            params = {n: np.asarray(z[f"theta/{n}"], np.float32) for n in self.ctx.shapes}
+            core_arrays = {k[len("core/"):]: z[k] for k in z.files if k.startswith("core/")}
+            self.core.load_state(meta, core_arrays)
+        except (KeyError, ValueError) as e:
+            log.warning("%s: checkpoint progress not restored (%s); starting from the snapshots",
+                        self.id, e)
+            versions, values = self._joined
+            self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+            return False
+        acked = self._acked_pushes()
+        for p, f in enumerate(self.core.inflight):
+            if f is not None and (p, f.base_version, f.step) not in acked:
+                self.core.forget_push(p)
+            elif f is not None:  # its merged value may still come: repair on the usual timeout
+                self._push_time[p] = time.monotonic()
+        self._params = self._place(params)
+        self.secs = [float(x) for x in meta.get("secs", self.secs)]
+        versions, values = self._joined
+        for p, v in enumerate(versions):
+            self.core.on_global(p, v, values)  # ignored unless newer than the restored base
+        return True
+
+    def _acked_pushes(self) -> set[tuple[int, int, int]]:
+        """(fragment, base_version, step) of every push Redis acknowledged, from the log."""
+        path = self._push_log
+        if path is None or not path.exists():
+            return set()
+        return {(int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
+                for rec in read_push_log(path) if "id" in rec}
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def _finish(self) -> LearnerFinal:
+        if self._steps_here:
+            self.train_s = self._t_last - self._t_start
+            if self._steps_here > 1 and self._t_last > self._t_first:
+                self.steady_steps_per_s = (self._steps_here - 1) / (self._t_last - self._t_first)
+        deadline = time.monotonic() + self.cfg.final_timeout_s
+        final: list[Push] = []
+        flat = self._params
+        if self.cfg.sync:
+            while any(f is not None and self.core.pending[p] is None
+                      for p, f in enumerate(self.core.inflight)):
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"{self.id}: no merged value arrived for the final flush")
+                if not self._drain_inbox(timeout_s=1.0):
+                    for p, f in enumerate(self.core.inflight):
+                        if f is not None:
+                            self.net.request_snapshot(p)
+            flat = self.core.apply_due(10**12, flat)
+            final = self.core.push_all(self.step, flat)
+            for push in final:
+                self._send(push, final=True)
+            if not self.net.wait_flushed(self.cfg.final_timeout_s):
+                raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
+        registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, FinalPushes(
+            final=[p.fragment for p in final], steps=self.step, tokens=self.tokens_done))
+        hashes = {}
+        if self.cfg.sync:
+            versions = self._wait_final_versions(deadline)
+            for p, v in versions.items():
+                while self.core.base_version[p] < v and (self.core.pending[p] is None
+                                                         or self.core.pending[p][0] < v):
+                    if time.monotonic() > deadline:
+                        raise BrokerError(f"{self.id}: final value of fragment {p} not received")
+                    if not self._drain_inbox(timeout_s=0.5):
+                        self.net.request_snapshot(p)
+            flat = self._place(self.core.apply_due(10**12, flat))
+            values = {k: np.asarray(v) for k, v in flat.items()}
+            hashes = {str(p): quant.tensors_hash({n: values[n] for n in names})
+                      for p, names in enumerate(self.ctx.fragments)}
+        self._params = flat
+        s = self.net.stats
+        report = LearnerFinal(
+            hashes=hashes, versions=list(self.core.base_version), steps=self.step,
+            tokens=self.tokens_done, bytes_sent=s.bytes_sent,
+            bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
+            pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
+            step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s)
+        registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
+        registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
+        return report
+
+    def _wait_final_versions(self, deadline: float) -> dict[int, int]:
+        """Fragment → final version, once the syncers have closed every final round."""
+        n = len(self.ctx.fragments)
+        while True:
+            versions: dict[int, int] = {}
+            for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
+                versions.update({int(p): int(v) for p, v in rep.versions.items()})
+            if len(versions) >= n:
+                return versions
+            if time.monotonic() > deadline:
+                raise BrokerError(f"{self.id}: syncers did not finish the final rounds in time")
+            self._drain_inbox(timeout_s=0.2)

@@ -18,16 +18,16 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pipeline import quant
 from pipeline.config import RunConfig
-from pipeline.data import Corpus
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.learner import LearnerCore, Push
 from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundResult
-from pipeline.task import n_params, task_of
+from pipeline.task import Data, n_params, task_of
 from pipeline.train import evaluate, make_step
 
 # Per-message framing overhead used when no wire codec is injected (header + field names).
@@ -78,19 +78,19 @@ class Engine:
 
     Args:
         cfg: the run configuration.
-        corpus: the data (shards for ``cfg.learners``).
+        corpus: the data (shards for ``cfg.learners``); default the task's (`Task.data`).
         wire: byte counts of messages (defaults approximate the wire codec).
         on_event: optional callback ``(kind, dict)`` for progress and metrics.
     """
 
-    def __init__(self, cfg: RunConfig, corpus: Corpus, wire: WireSizes | None = None,
+    def __init__(self, cfg: RunConfig, corpus: Data | None = None, wire: WireSizes | None = None,
                  on_event: Callable[[str, dict], None] | None = None):
         self.cfg = cfg
         self.sync = cfg.effective_sync()
-        self.corpus = corpus
         self.wire = wire or WireSizes()
         self.on_event = on_event or (lambda kind, data: None)
         self.task = task_of(cfg, local=cfg.task)  # the caller's own configuration
+        self.corpus = corpus = corpus if corpus is not None else self.task.data()
         self.shapes = self.task.param_shapes()
         self.n_params = n_params(self.task)
         self.eval_batches = corpus.eval_batches(cfg.data.eval_batches, cfg.inner.batch_size)
@@ -223,7 +223,8 @@ class Engine:
 
     def _learner_step(self, lr: _Learner, t_end: float) -> None:
         cfg, eng = self.cfg, self.cfg.engine
-        batch = jnp.asarray(self.corpus.batch(lr.idx, lr.step, cfg.inner.batch_size))
+        batch = jax.tree_util.tree_map(
+            jnp.asarray, self.corpus.batch(lr.idx, lr.step, cfg.inner.batch_size))
         lr.params, lr.opt_state, _ = self.step_fn(lr.params, lr.opt_state, batch)
         lr.step += 1
         lr.busy_s += eng.step_s / lr.speed

@@ -13,11 +13,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from pipeline.model import is_embedding
-
 
 def partition(shapes: Mapping[str, tuple[int, ...]], n_fragments: int,
-              is_embedding: Callable[[str], bool] = is_embedding) -> list[list[str]]:
+              is_embedding: Callable[[str], bool]) -> list[list[str]]:
     """Tensor names of each of the `n_fragments` fragments (each list sorted by model order);
     the embeddings (`is_embedding`, the task's) get a fragment of their own.
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from pipeline import kernels, quant
-from pipeline.model import is_embedding
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -54,8 +53,8 @@ class StreamingMerge:
         is_embedding: which tensors are embeddings (the task's; merged by weighted mean).
     """
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], method: str = "rda",
-                 is_embedding: Callable[[str], bool] = is_embedding):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], method: str,
+                 is_embedding: Callable[[str], bool]):
         if method not in ("rda", "mean"):
             raise ValueError(f"sync.merge: {method!r} is not one of rda, mean")
         self.method = method

@@ -19,7 +19,6 @@ from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
 from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
-from pipeline.model import is_embedding
 from pipeline.outer import (
     init_state,
     make_outer_step,
@@ -82,8 +81,8 @@ class FragmentSyncer:
     """
 
     def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,
-                 sync_cfg: SyncConfig, version: int = 0,
-                 is_embedding: Callable[[str], bool] = is_embedding):
+                 sync_cfg: SyncConfig, version: int = 0, *,
+                 is_embedding: Callable[[str], bool]):
         self.fragment = fragment
         self.is_embedding = is_embedding
         self.sync_cfg = sync_cfg
@@ -269,9 +268,9 @@ class FragmentSyncer:
 
     @classmethod
     def from_state_dict(cls, d: dict, outer_cfg: OuterConfig, sync_cfg: SyncConfig,
-                        is_embedding: Callable[[str], bool] = is_embedding) -> FragmentSyncer:
+                        is_embedding: Callable[[str], bool]) -> FragmentSyncer:
         s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]),
-                is_embedding)
+                is_embedding=is_embedding)
         treedef = jax.tree_util.tree_structure(s.opt_state)
         s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
         s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})

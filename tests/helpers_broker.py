@@ -29,7 +29,7 @@ from pipeline import config as cfgmod
 from pipeline import quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.model import param_shapes
+from pipeline.model import is_embedding, param_shapes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def store_run(r: redis.Redis, run: str, cfg: RunConfig) -> RunKeys:
 
 
 def fragment_names(cfg: RunConfig) -> list[list[str]]:
-    return partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+    return partition(param_shapes(cfg.model), cfg.effective_sync().fragments, is_embedding)
 
 
 def make_delta(cfg: RunConfig, p: int, seed: int, scale: float = 1e-2) -> dict[str, np.ndarray]:
@@ -243,7 +243,7 @@ def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
 
     init = init_params(cfg.model, cfg.seed)
     core = FragmentSyncer(p, {n: np.asarray(init[n]) for n in fragment_names(cfg)[p]},
-                          cfg.outer, cfg.effective_sync())
+                          cfg.outer, cfg.effective_sync(), is_embedding=is_embedding)
     for i, c in enumerate(contributions):
         ok, why = core.offer(c, float(i))
         assert ok, why

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import ModelConfig, SyncConfig
 from pipeline.fragments import due_fragment, fragment_sizes, partition
-from pipeline.model import EMBEDDING_NAMES, param_shapes
+from pipeline.model import EMBEDDING_NAMES, is_embedding, param_shapes
 
 SHAPES = param_shapes(ModelConfig())
 # Default model (d = 128, 4 layers, mlp 512): 36 tensors, 34 of them non-embedding.
@@ -24,7 +24,7 @@ def test_default_model_sizes():
 
 @pytest.mark.parametrize("P", range(1, 9))
 def test_partition_covers_every_tensor_once(P):
-    frags = partition(SHAPES, P)
+    frags = partition(SHAPES, P, is_embedding)
     assert len(frags) == P
     flat = [n for f in frags for n in f]
     assert sorted(flat) == sorted(SHAPES)
@@ -37,12 +37,12 @@ def test_partition_covers_every_tensor_once(P):
 
 
 def test_partition_single_fragment_is_whole_model_in_order():
-    assert partition(SHAPES, 1) == [list(SHAPES)]
+    assert partition(SHAPES, 1, is_embedding) == [list(SHAPES)]
 
 
 @pytest.mark.parametrize("P", range(2, 9))
 def test_embeddings_alone_in_fragment_zero(P):
-    frags = partition(SHAPES, P)
+    frags = partition(SHAPES, P, is_embedding)
     assert frags[0] == list(EMBEDDING_NAMES)
     assert all(not set(EMBEDDING_NAMES) & set(f) for f in frags[1:])
 
@@ -65,12 +65,12 @@ EXPECTED_SIZES = {
 
 @pytest.mark.parametrize("P", range(2, 9))
 def test_partition_sizes_hand_values(P):
-    assert fragment_sizes(SHAPES, partition(SHAPES, P)) == EXPECTED_SIZES[P]
+    assert fragment_sizes(SHAPES, partition(SHAPES, P, is_embedding)) == EXPECTED_SIZES[P]
 
 
 @pytest.mark.parametrize("P", range(2, 9))
 def test_non_embedding_fragments_balanced(P):
-    sizes = fragment_sizes(SHAPES, partition(SHAPES, P))[1:]
+    sizes = fragment_sizes(SHAPES, partition(SHAPES, P, is_embedding))[1:]
     ratio = max(sizes) / min(sizes)
     # P <= 5: 1.0007 at most; P = 6: 163840/148608 = 1.10; P = 8: 131072/99456 = 1.32
     bound = 1.01 if P <= 5 else 1.5
@@ -79,17 +79,17 @@ def test_non_embedding_fragments_balanced(P):
 
 def test_partition_too_many_fragments():
     # 34 non-embedding tensors: P = 35 (34 bins + embeddings) is the most that fits
-    assert len(partition(SHAPES, 35)) == 35
+    assert len(partition(SHAPES, 35, is_embedding)) == 35
     with pytest.raises(ValueError, match=r"sync\.fragments: 36 fragments need at least 35"):
-        partition(SHAPES, 36)
+        partition(SHAPES, 36, is_embedding)
 
 
 def test_partition_without_embeddings():
     shapes = {"a": (4,), "b": (3,), "c": (2,), "d": (1,)}
     # greedy: a(4)->bin0, b(3)->bin1, c(2)->bin1 (3<4), d(1)->bin0 (4<5) -> [a,d]=5, [b,c]=5
-    assert partition(shapes, 2) == [["a", "d"], ["b", "c"]]
+    assert partition(shapes, 2, is_embedding) == [["a", "d"], ["b", "c"]]
     with pytest.raises(ValueError):
-        partition(shapes, 5)
+        partition(shapes, 5, is_embedding)
 
 
 def test_due_fragment_schedule_hand_values():

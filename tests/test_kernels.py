@@ -15,6 +15,7 @@ import pytest
 
 from pipeline import kernels, quant
 from pipeline.merge import NonFiniteContribution, StreamingMerge
+from pipeline.model import is_embedding
 from workers import native
 
 CASES = [(996, 64), (1001, 64), (777, 7), (5, 3), (1, 64), (70_000, 5000), (4097, 2)]
@@ -107,7 +108,7 @@ def test_merge_of_quantised_anchored_contributions(backend):
     shapes = {"wte": (50, 8), "h0.mlp.fc": (8, 33)}
     anchors = {b: {k: (rng.standard_normal(s) * 1e-5).astype(np.float32)
                    for k, s in shapes.items()} for b in (3, 4)}
-    m = StreamingMerge(shapes, "rda")
+    m = StreamingMerge(shapes, "rda", is_embedding)
     want_sum = {k: np.zeros(s) for k, s in shapes.items()}
     want_norm = {k: 0.0 for k in shapes}
     total = 0.0
@@ -134,7 +135,7 @@ def test_merge_of_quantised_anchored_contributions(backend):
 
 
 def test_non_finite_contribution_adds_nothing(backend):
-    m = StreamingMerge({"h0.mlp.fc": (4,)})
+    m = StreamingMerge({"h0.mlp.fc": (4,)}, "rda", is_embedding)
     m.add({"h0.mlp.fc": np.ones(4, np.float32)}, 1.0)
     before = m.result()
     for bad in (np.array([1, np.nan, 0, 0], np.float32), np.array([np.inf, 0, 0, 0], np.float32),
@@ -145,7 +146,7 @@ def test_non_finite_contribution_adds_nothing(backend):
 
 
 def test_a_zero_delta_adds_only_its_weight(backend):
-    m = StreamingMerge({"h0.mlp.fc": (3,)})
+    m = StreamingMerge({"h0.mlp.fc": (3,)}, "rda", is_embedding)
     m.add({"h0.mlp.fc": np.zeros(3, np.float32)}, 2.0)
     m.add({"h0.mlp.fc": np.array([3, 0, 4], np.float32)}, 2.0)
     # φ-average (0 + 2·(0.6, 0, 0.8)) / 4, radius (0 + 2·5) / 4 = 2.5

@@ -14,12 +14,13 @@ from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.fragments import partition
 from pipeline.learner import LearnerCore
+from pipeline.model import is_embedding
 from pipeline.syncer import Contribution, FragmentSyncer
 
 F32 = np.float32
 FC = "h0.mlp.fc"
 SHAPES = {"wte": (2,), FC: (3,)}
-FRAGS = partition(SHAPES, 2)  # [["wte"], ["h0.mlp.fc"]]
+FRAGS = partition(SHAPES, 2, is_embedding)  # [["wte"], ["h0.mlp.fc"]]
 # P = 2, H = 4 -> Δh = 2: step 2 pushes fragment 1, step 4 fragment 0, step 6 fragment 1, ...
 CFG = dataclasses.replace(SyncConfig(), fragments=2, sync_every=4, overlap_steps=1,
                           codec_up="fp32")
@@ -256,7 +257,8 @@ TOK = {"a": 8, "b": 16}
 
 
 def test_end_to_end_two_learners():
-    syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), E2E_SYNC)
+    syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), E2E_SYNC,
+                                  is_embedding=is_embedding)
                for p, f in enumerate(FRAGS)]
     start = {n: v for s in syncers for n, v in s.sent_values.items()}
     cores = {m: LearnerCore(m, FRAGS, E2E_SYNC, start, [0, 0]) for m in "ab"}
@@ -359,7 +361,7 @@ def test_end_to_end_stale_learner_is_anchored():
     # Learner b misses round 1 of fragment 1 and pushes from base version 0 into round 2.
     sync = dataclasses.replace(E2E_SYNC, quorum=1)
     lr1 = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)  # Θ(v+1) = Θ(v) − Δ
-    s = FragmentSyncer(1, {FC: BASE[FC]}, lr1, sync)
+    s = FragmentSyncer(1, {FC: BASE[FC]}, lr1, sync, is_embedding=is_embedding)
     start = {"wte": BASE["wte"], FC: s.sent_values[FC]}
     cores = {m: LearnerCore(m, FRAGS, sync, start, [0, 0]) for m in "ab"}
     pa = {k: jnp.asarray(v) for k, v in start.items()}

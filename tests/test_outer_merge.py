@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.merge import StreamingMerge, anchored_delta, token_weight
+from pipeline.model import is_embedding
 from pipeline.outer import init_state, outer_optimizer, outer_step
 from pipeline.syncer import Contribution, FragmentSyncer
 
@@ -87,7 +88,7 @@ def test_anchored_delta_hand_values():
 
 
 def _merge(method, name, items):
-    m = StreamingMerge({name: (len(items[0][0]),)}, method)
+    m = StreamingMerge({name: (len(items[0][0]),)}, method, is_embedding)
     for vec, w in items:
         m.add({name: np.asarray(vec, F32)}, w)
     return m.result()[name]
@@ -120,7 +121,7 @@ def test_mean_method_is_weighted_mean_for_all(name):
 
 
 def test_rda_mixed_fragment():
-    m = StreamingMerge({"wte": (2,), "h0.attn.qkv": (2,)}, "rda")
+    m = StreamingMerge({"wte": (2,), "h0.attn.qkv": (2,)}, "rda", is_embedding)
     m.add({"wte": np.array([3, 4], F32), "h0.attn.qkv": np.array([3, 4], F32)}, 1.0)
     m.add({"wte": np.array([0, 2], F32), "h0.attn.qkv": np.array([0, 2], F32)}, 3.0)
     r = m.result()
@@ -159,7 +160,7 @@ def test_merge_order_independent():
     for method in ("rda", "mean"):
         ref = None
         for perm in itertools.permutations(range(5)):
-            m = StreamingMerge(shapes, method)
+            m = StreamingMerge(shapes, method, is_embedding)
             for i in perm:
                 m.add(deltas[i], float(weights[i]))
             r = m.result()
@@ -171,10 +172,10 @@ def test_merge_order_independent():
 
 def test_merge_errors():
     with pytest.raises(ValueError, match="no contributions"):
-        StreamingMerge({"h0.mlp.fc": (2,)}).result()
+        StreamingMerge({"h0.mlp.fc": (2,)}, "rda", is_embedding).result()
     with pytest.raises(ValueError, match=r"sync\.merge"):
-        StreamingMerge({"h0.mlp.fc": (2,)}, "median")
-    m = StreamingMerge({"h0.mlp.fc": (2,)})
+        StreamingMerge({"h0.mlp.fc": (2,)}, "median", is_embedding)
+    m = StreamingMerge({"h0.mlp.fc": (2,)}, "rda", is_embedding)
     for w in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="weight"):
             m.add({"h0.mlp.fc": np.ones(2, F32)}, w)
@@ -200,7 +201,7 @@ def contrib(learner, base, step, delta, steps=2, tokens=100, entry=None, name=NA
 
 
 def new_syncer(outer=SGD1, sync=SYNC):
-    return FragmentSyncer(0, {NAME: THETA0}, outer, sync)
+    return FragmentSyncer(0, {NAME: THETA0}, outer, sync, is_embedding=is_embedding)
 
 
 def test_fresh_contribution_merged_and_closed():
@@ -371,7 +372,7 @@ def test_first_arrival_at_time_zero_recorded():
 def _two_tensor_syncer():
     sync = dataclasses.replace(SYNC, quorum=2)
     theta = {NAME: THETA0, "h0.mlp.proj": np.array([[1.0, -1.0], [0.5, 2.0]], F32)}
-    return FragmentSyncer(3, theta, OuterConfig(), sync), sync
+    return FragmentSyncer(3, theta, OuterConfig(), sync, is_embedding=is_embedding), sync
 
 
 def _c2(learner, base, step, scale, tokens=100):
@@ -391,7 +392,7 @@ def test_state_dict_round_trip_then_identical_closes():
     s.close(2.5, "r2")
     s.record_sync_time(0.25)
     d = pickle.loads(pickle.dumps(s.state_dict()))
-    t = FragmentSyncer.from_state_dict(d, OuterConfig(), sync)
+    t = FragmentSyncer.from_state_dict(d, OuterConfig(), sync, is_embedding)
     assert t.version == s.version == 2 and t.fragment == 3
     assert t.seen == s.seen and t.sync_time_s == 0.25
     assert list(t.history) == list(s.history)
@@ -484,7 +485,7 @@ def test_partial_round_decays_momentum_per_unit_of_work():
     assert abs(m_q / m_w - 1) < 0.06
     # a partial step's state survives the crash-safe commit, and a full step follows it
     restored = FragmentSyncer.from_state_dict(pickle.loads(pickle.dumps(quarters.state_dict())),
-                                              OuterConfig(), SYNC)
+                                              OuterConfig(), SYNC, is_embedding)
     for s in (quarters, restored):
         s.offer(contrib("b", 4, 9, [0.1, 0, 0, 0]), 9.0)
     a, b = quarters.close(9.5, "f", 1.0), restored.close(9.5, "f", 1.0)

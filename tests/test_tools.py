@@ -29,7 +29,7 @@ from ops.tools import plots
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.model import param_shapes
+from pipeline.model import is_embedding, param_shapes
 
 ENTRY_KEYS = {"id", "fragment", "learner", "base_version", "step", "steps", "tokens", "codec",
               "payload_bytes", "entry_bytes", "seconds", "final", "age_s", "pending", "consumer",
@@ -81,7 +81,7 @@ def cli_json(capsys, *argv: str) -> dict:
 
 
 def fragment_names(cfg: RunConfig) -> list[list[str]]:
-    return partition(param_shapes(cfg.model), cfg.effective_sync().fragments)
+    return partition(param_shapes(cfg.model), cfg.effective_sync().fragments, is_embedding)
 
 
 # ----------------------------------------------------------------------------- inspect

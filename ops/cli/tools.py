@@ -128,6 +128,9 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
                        description="Evaluate a checkpoint's global parameters on the held-out "
                        "split of its configuration's corpus.")
     e.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.npz (run or export)")
+    e.add_argument("--task", default=None, metavar="MODULE:FACTORY",
+                   help="the checkpoint's user task (imported only when its configuration "
+                        "names the same)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=_eval)
 
@@ -140,6 +143,8 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="softmax temperature; 0 is greedy (default 0.8)")
     s.add_argument("--seed", type=int, default=0, metavar="S", help="sampler seed (default 0)")
+    s.add_argument("--task", default=None, metavar="MODULE:FACTORY",
+                   help="the checkpoint's user task (its forward gives the logits)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=_sample)
 
@@ -155,7 +160,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     try:
-        rep = checkpoint.eval_checkpoint(args.checkpoint)
+        rep = checkpoint.eval_checkpoint(args.checkpoint, args.task)
     except (OSError, ValueError) as e:
         return fail(str(e))
     if args.json:
@@ -174,8 +179,8 @@ def _sample(args: argparse.Namespace) -> int:
         return fail("--temperature must be a finite number >= 0")
     try:
         rep = checkpoint.sample(args.checkpoint, args.prompt, args.bytes, args.temperature,
-                                args.seed)
-    except (OSError, ValueError) as e:
+                                args.seed, args.task)
+    except (OSError, ValueError, NotImplementedError) as e:
         return fail(str(e))
     if args.json:
         print_json(rep)

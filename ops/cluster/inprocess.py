@@ -9,7 +9,6 @@ from pathlib import Path
 from ops.cluster import artifacts
 from ops.cluster.wire import codec_sizes
 from pipeline.config import RunConfig
-from pipeline.data import run_corpus
 from pipeline.engine import Engine
 
 
@@ -33,7 +32,7 @@ def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
             on_eval(data)
 
     try:
-        engine = Engine(cfg, run_corpus(cfg), wire=codec_sizes(), on_event=on_event)
+        engine = Engine(cfg, wire=codec_sizes(), on_event=on_event)
         summary = engine.run()
         log.write("summary", {k: v for k, v in summary.items() if k != "history"})
     finally:

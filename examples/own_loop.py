@@ -34,9 +34,11 @@ def main() -> int:
     ap.add_argument("--run", required=True)
     ap.add_argument("--id", default="L0", help="learner id; its trailing number is the shard")
     ap.add_argument("--state-dir", default=None, help="checkpoints (resumed on restart)")
+    ap.add_argument("--no-sync", action="store_true", help="train alone (a baseline)")
     args = ap.parse_args()
 
-    cfg = IslandConfig(args.redis_url, args.run, args.id, task=TASK, state_dir=args.state_dir)
+    cfg = IslandConfig(args.redis_url, args.run, args.id, task=TASK, state_dir=args.state_dir,
+                       sync=not args.no_sync)
     with Island(cfg) as island:
         run = island.run_cfg
         opts = run.options()

@@ -1,7 +1,8 @@
 """Benchmarks whose results go to BENCHMARKS.md: quality at equal tokens (in-process engine),
-the distributed pipeline (overlap, pipeline efficiency, memory, latency), and resilience (S1
-failures, S2 stragglers) on real processes."""
+the distributed pipeline (overlap of the CLI and the library learner, pipeline efficiency,
+memory, latency), learner islands over several devices, and resilience (S1 failures, S2
+stragglers) on real processes."""
 
-from ops.bench import pipeline, quality, resilience
+from ops.bench import islands, pipeline, quality, resilience
 
-__all__ = ["pipeline", "quality", "resilience"]
+__all__ = ["islands", "pipeline", "quality", "resilience"]

@@ -227,15 +227,43 @@ def bench_latency(quick: bool = False) -> dict:
 
 # -- overlap efficiency (real learner processes) ----------------------------------------------
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
 def bench_overlap(quick: bool = False) -> dict:
     """One learner pinned to CPU 0, the syncer and redis-server pinned to CPU 1 (a learner
     with its own core, as on separate hosts), run twice: syncing on, then off (`--no-sync`,
     same process otherwise). The steady inner-step rate of the two is compared."""
-
-    pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     steps = 300 if quick else 1500
     base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps,
                            **{"sync.quorum": 1})
+    return _overlap(base, [sys.executable, "-m", "workers.learner"], quick)
+
+
+def bench_overlap_library(quick: bool = False) -> dict:
+    """The overlap benchmark of the learner as a library: examples/own_loop.py (a user's model
+    and a hand-written loop around `workers.island.Island`) instead of `diloco learner`, with
+    the same run settings (demo H and P, one learner, 1500 steps)."""
+    if not (EXAMPLES / "own_loop.py").exists():
+        raise FileNotFoundError(f"{EXAMPLES}/own_loop.py: the example is not in this checkout")
+    if str(EXAMPLES) not in sys.path:  # this process stores the spec: it imports the task
+        sys.path.insert(0, str(EXAMPLES))
+    steps = 300 if quick else 1500
+    base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps, task="user_model:make",
+                           **{"sync.quorum": 1})
+    res = _overlap(base, [sys.executable, str(EXAMPLES / "own_loop.py")], quick,
+                   env={"PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(EXAMPLES.parent)])},
+                   syncer_args=["--task", "user_model:make"])
+    res["bench"] = "overlap-library"
+    res["learner"] = "examples/own_loop.py (user_model:make, default options)"
+    return res
+
+
+def _overlap(base: RunConfig, learner_cmd: list[str], quick: bool, env: dict | None = None,
+             syncer_args: list[str] | None = None) -> dict:
+    pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    steps = base.steps
+    env = {**os.environ, **(env or {})}
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(1 if quick else 2):
         for mode in ("on", "off"):
@@ -252,12 +280,13 @@ def bench_overlap(quick: bool = False) -> dict:
                     cpu1 = ["taskset", "-c", "1"] if pin else []
                     cpu0 = ["taskset", "-c", "0"] if pin else []
                     syncer = subprocess.Popen([*cpu1, sys.executable, "-m", "workers.syncer",
-                                               *args], stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL)
+                                               *args, *(syncer_args or [])],
+                                              stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, env=env)
                     learner = subprocess.Popen(
-                        [*cpu0, sys.executable, "-m", "workers.learner", *args, "--id", "L0",
+                        [*cpu0, *learner_cmd, *args, "--id", "L0",
                          *([] if mode == "on" else ["--no-sync"])],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
                     learner.wait(1800)
                     syncer.wait(120)
                     r = connect(srv.url)

@@ -1,4 +1,4 @@
-"""`diloco bench quality|overlap|pipeline|memory|latency|s1|s2`: the benchmarks' command line.
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2`: the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
 prints progress lines, the results and picks the exit code.
@@ -11,11 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import pipeline, quality, resilience
+from ops.bench import islands, pipeline, quality, resilience
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 
 _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on ÷ off"),
+             ("overlap-library", pipeline.bench_overlap_library,
+              "the same for a hand-written loop around workers.island.Island"),
+             ("islands", islands.bench_islands, "a 4-device island vs 4 one-device learners"),
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
              ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"))

@@ -64,7 +64,7 @@ def load_param_spec(r: redis.Redis, keys: RunKeys) -> Any:
         return None
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DecodeError(f"run {keys.run!r}: the stored parameter spec is not JSON") from e
 
 

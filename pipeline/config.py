@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -240,10 +241,15 @@ def _task_options(value: Any) -> tuple[tuple[str, Any], ...]:
         elif not isinstance(v, scalar):
             raise ConfigError(f"task_options.{k}: expected a string, number, boolean or a "
                               f"list of those, got {type(v).__name__}")
+        if any(isinstance(x, float) and not math.isfinite(x)
+               for x in (v if isinstance(v, tuple) else (v,))):
+            raise ConfigError(f"task_options.{k}: must be finite")
         out.append((k, v))
     if len(out) > _MAX_OPTIONS:
         raise ConfigError(f"task_options: more than {_MAX_OPTIONS} options")
-    return tuple(sorted(out))
+    if len({k for k, _ in out}) != len(out):
+        raise ConfigError("task_options: an option is given twice")
+    return tuple(sorted(out, key=lambda kv: kv[0]))
 
 
 def _check_task(name: Any) -> str:
@@ -464,4 +470,4 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(v)
+    return json.dumps(v, ensure_ascii=False)

@@ -34,6 +34,7 @@ Read-only tools open such a run from the parameter spec stored next to the confi
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ __all__ = ["TASKS", "ByteGPT", "Data", "Params", "SpecTask", "Task", "TaskNotNam
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./:-]{0,199}")  # a flat parameter name
 MAX_TENSORS = 100_000
+MAX_PARAMS = 2**40  # the wire's bound on one fragment's elements (broker.codec)
 
 
 class Data(Protocol):
@@ -326,7 +328,8 @@ def param_spec(task: Task) -> dict:
     shapes = task.param_shapes()
     return {"names": list(shapes), "shapes": [list(s) for s in shapes.values()],
             "dtypes": ["float32"] * len(shapes),
-            "embeddings": [n for n in shapes if task.is_embedding(n)]}
+            "embeddings": [n for n in shapes if task.is_embedding(n)],
+            "tokens_per_step": task.tokens_per_step()}
 
 
 def stored_spec(cfg: RunConfig) -> dict | None:
@@ -377,15 +380,22 @@ def spec_task(cfg: RunConfig, spec: Any) -> SpecTask:
         raise ConfigError(f"run {cfg.task!r}: malformed parameter spec") from e
     if not ok:
         raise ConfigError(f"task {cfg.task!r}: malformed parameter spec")
-    out = []
+    out, total = [], 0
     for n, s, d in zip(names, shapes, dtypes, strict=True):
         if not (isinstance(n, str) and NAME.fullmatch(n) and d == "float32"
                 and isinstance(s, list) and len(s) <= 8
                 and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 2**31
                         for x in s)):
             raise ConfigError(f"task {cfg.task!r}: malformed parameter spec entry {n!r}")
+        total += math.prod(s)
         out.append((n, tuple(s)))
-    if len(set(names)) != len(names) or not set(emb) <= set(names):
+    if total > MAX_PARAMS:
+        raise ConfigError(f"task {cfg.task!r}: the parameter spec claims {total} parameters "
+                          f"(at most {MAX_PARAMS})")
+    if (len(set(names)) != len(names) or not all(isinstance(e, str) for e in emb)
+            or not set(emb) <= set(names)):
         raise ConfigError(f"task {cfg.task!r}: malformed parameter spec")
-    tokens = cfg.inner.batch_size * cfg.model.seq_len
+    tokens = spec.get("tokens_per_step", cfg.inner.batch_size * cfg.model.seq_len)
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and 1 <= tokens <= 2**40):
+        raise ConfigError(f"task {cfg.task!r}: malformed tokens_per_step in the parameter spec")
     return SpecTask(cfg.task, tuple(out), frozenset(emb), tokens)

@@ -120,10 +120,26 @@ def test_a_user_task_is_imported_only_where_the_process_names_it(user_module):
     assert isinstance(st, SpecTask) and st.param_shapes() == shapes
     with pytest.raises(TaskNotNamed):
         st.init_params(0)
+    assert st.tokens_per_step() == task.tokens_per_step()
+    n = len(spec["names"])
     for bad in ({**spec, "shapes": [[-1]] + spec["shapes"][1:]}, {**spec, "dtypes": ["int8"]},
-                {**spec, "names": ["../x"] + spec["names"][1:]}, {"names": 1}, [1], None):
+                {**spec, "names": ["../x"] + spec["names"][1:]}, {"names": 1}, [1], None,
+                {**spec, "embeddings": [[1]]}, {**spec, "tokens_per_step": -5},
+                {**spec, "shapes": [[2**31] * 8] * n}):
         with pytest.raises(ConfigError):
             spec_task(cfg, bad)
+
+
+def test_task_options_that_toml_cannot_hold_are_refused_and_text_round_trips():
+    with pytest.raises(ConfigError, match="finite"):
+        cfgmod.from_dict({**TINY, "task": "m:f", "task_options": {"x": float("inf")}})
+    cfg = cfgmod.from_dict({**TINY, "task": "m:f", "task_options": {"s": "a\u00e9\U0001f600"},
+                            "data": {**TINY["data"], "text_field": "t\u00e9xt"}})
+    again = cfgmod.from_dict(__import__("tomllib").loads(cfgmod.dumps_toml(cfg)))
+    assert again == cfg and again.run_hash() == cfg.run_hash()
+    with pytest.raises(ConfigError, match="twice"):
+        cfgmod.validate(__import__("dataclasses").replace(
+            cfg, task_options=(("a", 1), ("a", "x"))))
 
 
 def test_a_nested_tree_round_trips_through_fragments_and_the_wire_bit_for_bit(user_module):
@@ -154,6 +170,12 @@ def test_processes_without_the_task_open_the_run_from_its_spec(user_module, redi
                          timeout=60)
     assert out.returncode == 2 and "--task bagmlp_task:make" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+    # a library island whose tree is not the run's says so (and closes cleanly unstarted)
+    from workers.island import Island, IslandConfig
+
+    with pytest.raises(ValueError, match="not the run's"):
+        with Island(IslandConfig(redis_url, "ut", "L1", task=user_module)) as island:
+            island.start(like={"nope": np.zeros(3, np.float32)})
 
 
 def test_a_user_task_trains_in_a_real_multi_process_run_and_replays(user_module, redis_url,

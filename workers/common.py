@@ -18,7 +18,7 @@ from pipeline import config as cfgmod
 from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.task import Task, TaskNotNamed, spec_task, task_of
+from pipeline.task import Task, TaskNotNamed, param_spec, spec_task, task_of
 
 
 def apply_environment() -> None:
@@ -81,10 +81,10 @@ def _task(r: redis.Redis, keys: RunKeys, cfg: RunConfig, local: str | None,
     if cfg.task in cfgmod.TASKS or local == cfg.task or need_code:
         task = task_of(cfg, local)
         spec = None if cfg.task in cfgmod.TASKS else registry.load_param_spec(r, keys)
-        if spec is not None and spec_task(cfg, spec).param_shapes() != task.param_shapes():
+        if spec is not None and param_spec(task) != param_spec(spec_task(cfg, spec)):
             raise cfgmod.ConfigError(f"task {cfg.task!r}: this process's code builds other "
-                                     f"parameters than the run's stored spec (a different "
-                                     f"version of the task?)")
+                                     f"parameters, embeddings or tokens per step than the "
+                                     f"run's stored spec (a different version of the task?)")
         return task
     spec = registry.load_param_spec(r, keys)
     if spec is None:

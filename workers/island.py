@@ -7,9 +7,9 @@ merged values τ steps after the push, sends heartbeats, checkpoints the sync bo
 takes part in the final flush. The loop — the model, the optimizer, the data, the devices —
 stays the caller's::
 
-    with Island(IslandConfig(redis_url, run="demo", learner_id="L3", task="mypkg.task:make"),
-                like=params) as island:
-        params, opt_state = island.start(params, opt_state)
+    with Island(IslandConfig(redis_url, run="demo", learner_id="L3",
+                             task="mypkg.task:make")) as island:
+        params, opt_state = island.start(like=params, opt_state=optimizer.init)
         while not island.done:
             batch = my_batches(island.shard, island.step)
             params, opt_state, loss = my_step(params, opt_state, batch)
@@ -74,6 +74,9 @@ class IslandConfig:
     checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
     sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
     devices: int = 1               # devices of this island (reported in heartbeats)
+    # the most tokens one inner step trains on, declared in heartbeats (default: the task's
+    # tokens per step); `after_step` refuses more
+    max_tokens_per_step: int | None = None
 
 
 def shard_of(learner_id: str, shard: int | None, learners: int) -> int:
@@ -122,6 +125,10 @@ class Island:
                               sub_endpoints=cfg.sub_endpoints)
         self._place = place or (lambda flat: {k: jnp.asarray(v) for k, v in flat.items()})
         self.tokens_per_step = self.ctx.task.tokens_per_step()
+        self.max_tokens_per_step = cfg.max_tokens_per_step or self.tokens_per_step
+        if self.max_tokens_per_step < self.tokens_per_step:
+            raise ValueError(f"max_tokens_per_step {self.max_tokens_per_step} is below the "
+                             f"task's {self.tokens_per_step} tokens per step")
         self.every = cfg.checkpoint_every or self.sync.delta_h
         self.secs = [0.0] * len(self.ctx.fragments)
         self.step_s = 0.0
@@ -194,21 +201,23 @@ class Island:
             The parameters to continue from: the same values unless a merged value was due.
         """
         now = time.monotonic()
-        dt = now - self._t_last
-        self._t_last = now
+        dt = now - self._t_last  # the caller's step: from the end of the last after_step
+        n_tok = self.tokens_per_step if tokens is None else int(tokens)
+        if not 0 < n_tok <= self.max_tokens_per_step:
+            raise ValueError(f"{self.id}: a step of {n_tok} tokens (declared at most "
+                             f"{self.max_tokens_per_step} per step)")
         self.step += 1
         self._steps_here += 1
         if self._steps_here == 1:
             self._t_first = now  # the first step of a process includes compilation
-        n_tok = self.tokens_per_step if tokens is None else int(tokens)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
         for p in range(len(self.secs)):
             self.secs[p] += dt
         flat = self._flat(params)
+        self._drain_inbox()  # also without syncing: merged values must not pile up
         if self.cfg.sync:
             applied = self.core.applied
-            self._drain_inbox()
             flat, pushes = self.core.after_step(self.step, n_tok, flat)
             self._reset_secs()
             for push in pushes:
@@ -227,13 +236,16 @@ class Island:
             self._t_rate, self._tok_rate = now, self.tokens_done
             self.net.report(step=self.step, tokens=self.tokens_done, tokens_per_s=tps,
                             step_s=self.step_s, versions=list(self.core.base_version),
-                            loss=None if loss is None else float(loss), pid=os.getpid(),
-                            host=socket.gethostname(), shard=self.shard,
-                            devices=self.cfg.devices,
-                            max_tokens_per_step=self.tokens_per_step)
+                            loss=None if loss is None else float(loss), **self._identity())
         if self.state_dir is not None and self.step % self.every == 0:
             self._checkpoint(opt_state)
+        self._t_last = time.monotonic()
         return self._out(flat)
+
+    def _identity(self) -> dict:
+        """What every heartbeat says about this island."""
+        return {"pid": os.getpid(), "host": socket.gethostname(), "shard": self.shard,
+                "devices": self.cfg.devices, "max_tokens_per_step": self.max_tokens_per_step}
 
     def finish(self, params: Any = None) -> Any:
         """Final flush: push the remaining progress, wait for the final rounds, adopt their
@@ -252,12 +264,17 @@ class Island:
         if self._closed:
             return
         self._closed = True
-        self.net.close()
         try:
-            registry.leave(self.ctx.r, self.ctx.keys, self.id)
+            if self.net.is_alive() or self.net.ident is not None:
+                self.net.close()
+            else:  # never started (start() failed early): only its socket is open
+                self.net.sub.close()
         finally:
-            if self._own_zctx:
-                self.zctx.term()
+            try:
+                registry.leave(self.ctx.r, self.ctx.keys, self.id)
+            finally:
+                if self._own_zctx:
+                    self.zctx.term()
 
     def __enter__(self) -> Island:
         return self
@@ -278,6 +295,9 @@ class Island:
             if tuple(np.shape(v)) != tuple(want[n]):
                 raise ValueError(f"parameter {n}: shape {tuple(np.shape(v))}, the run's is "
                                  f"{tuple(want[n])}")
+            if np.dtype(getattr(v, "dtype", np.float32)) != np.float32:
+                raise ValueError(f"parameter {n}: dtype {v.dtype}; the run's parameters are "
+                                 f"float32 (cast inside the loss for lower precision)")
 
     def _flat(self, params: Any) -> dict[str, Any]:
         return tree.flatten(params) if self._treedef is not None else dict(params)
@@ -293,8 +313,8 @@ class Island:
         """Subscribe first, then read every fragment's snapshot (the Clone pattern)."""
         # the last heartbeat of a previous incarnation, read before ours overwrites it
         self._prior = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
-        if self._prior:
-            self.net.report(step=self._prior.step, tokens=self._prior.tokens)
+        prior = {"step": self._prior.step, "tokens": self._prior.tokens} if self._prior else {}
+        self.net.report(**prior, **self._identity())
         self.net.start()
         values: dict[str, np.ndarray] = {}
         versions = []
@@ -415,8 +435,15 @@ class Island:
                         self.id)
             return opt_state
         like = jax.tree_util.tree_leaves(opt_state)
-        leaves = [jax.device_put(z[f"leaf{i}"], getattr(x, "sharding", None))
-                  for i, x in enumerate(like)]
+        saved_leaves = [z[f"leaf{i}"] for i in range(n)]
+        if any(np.shape(s) != np.shape(x) or np.asarray(s).dtype != np.dtype(
+                getattr(x, "dtype", np.asarray(x).dtype)) for s, x in zip(saved_leaves, like,
+                                                                         strict=True)):
+            log.warning("%s: checkpointed optimizer state has other shapes or dtypes; starting "
+                        "it afresh", self.id)
+            return opt_state
+        leaves = [jax.device_put(s, getattr(x, "sharding", None))
+                  for s, x in zip(saved_leaves, like, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _restore_progress(self, z) -> bool:

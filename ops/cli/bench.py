@@ -1,4 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2`: the benchmarks' command line.
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2`:
+the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
 prints progress lines, the results and picks the exit code.

@@ -31,6 +31,7 @@ MERGES = ("rda", "mean")
 APPLIES = ("overwrite", "rebase")
 # How much of an outer step a round takes (see FragmentSyncer.round_share).
 ROUND_STEPS = ("share", "full")
+GUARD_ACTIONS = ("drop", "clip")
 
 
 class ConfigError(ValueError):
@@ -120,6 +121,14 @@ class SyncConfig:
     # per unit of work does not depend on how pushes group into rounds) or "full" (one step per
     # round, as synchronous DiLoCo; sync-diloco always uses it).
     round_step: str = field(default="share", metadata=_rng(choices=ROUND_STEPS))
+    # The poison guard (pipeline/guard.py): refuse a contribution that claims more tokens than
+    # steps × its learner's maximum tokens per step, and one whose norm per inner step exceeds
+    # guard_norm_k × the median of the fragment's recently accepted ones (dropped, or clipped
+    # to that bound). Added after runs were recorded: at their defaults, out of the run hash.
+    guard: bool = field(default=True, metadata={"added": True})
+    guard_norm_k: float = field(default=10.0, metadata={**_rng(1.0, 1e9), "added": True})
+    guard_action: str = field(default="drop",
+                              metadata={**_rng(choices=GUARD_ACTIONS), "added": True})
 
     @property
     def delta_h(self) -> int:

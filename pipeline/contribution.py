@@ -44,6 +44,9 @@ class Drop(StrEnum):
     SHAPE = "shape"                # tensors that do not match the fragment
     NON_FINITE = "non-finite"      # NaN or inf values
     MALFORMED = "malformed"        # an internally inconsistent quantised tensor
+    TOKENS = "tokens"              # claims more tokens than its steps can have produced
+    NORM = "norm"                  # its norm per step is far above the recent median
+    ROUND = "round"                # merged into a round whose value would not be finite
     OTHER = "other"                # a reason text this version does not know
 
 
@@ -52,7 +55,8 @@ _DROP_TEXT = (  # how each kind's text begins: reads reasons recorded as text (r
     (Drop.UNANCHORED, "base version ", " no longer held"),
     (Drop.AHEAD, "base version ", " is ahead of"), (Drop.EMPTY, "empty contribution"),
     (Drop.SHAPE, "tensors do not match"), (Drop.NON_FINITE, "non-finite"),
-    (Drop.MALFORMED, "malformed"))
+    (Drop.MALFORMED, "malformed"), (Drop.TOKENS, "tokens "), (Drop.NORM, "norm "),
+    (Drop.ROUND, "round "))
 
 
 class Reason(str):

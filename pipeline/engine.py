@@ -26,7 +26,7 @@ from pipeline import quant
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.learner import LearnerCore, Push
-from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundResult
+from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundRefused, RoundResult
 from pipeline.task import Data, n_params, task_of
 from pipeline.train import evaluate, make_step
 
@@ -95,6 +95,8 @@ class Engine:
         self.n_params = n_params(self.task)
         self.eval_batches = corpus.eval_batches(cfg.data.eval_batches, cfg.inner.batch_size)
         self.history: list[dict] = []
+        self.dropped: dict[str, int] = {}  # refusals by kind (the guard's: tokens, norm)
+        self.clipped = 0
         self._seq = itertools.count()
         self._events: list[_Event] = []
 
@@ -247,7 +249,7 @@ class Engine:
 
     def _on_arrive(self, c: Contribution) -> None:
         s = self.syncers[c.fragment]
-        ok, reason = s.offer(c, self.now)
+        ok, reason = s.offer(c, self.now, self.task.tokens_per_step())
         if ok:
             c.delta = {}  # merged into the running sums: nothing kept per contribution
         elif reason.kind is Drop.DEFER:
@@ -271,7 +273,15 @@ class Engine:
             reason = force_reason
         if not s.contributors:
             return
-        result = s.close(self.now, reason, s.round_share(len(self._live())))
+        try:
+            result = s.close(self.now, reason, s.round_share(len(self._live())))
+        except RoundRefused:
+            for _, why in s.take_drops():
+                self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
+            return
+        for _, why in result.dropped:
+            self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
+        self.clipped += len(result.clipped)
         s.record_sync_time(self.cfg.engine.sync_s)
         self.rounds += 1
         frac = self.frag_sizes[p] / self.n_params
@@ -372,6 +382,9 @@ class Engine:
             "bandwidth_ratio_vs_ddp": float(ratio),
             "goodput": float(goodput),
             "rounds": int(rounds),
+            "dropped_by_kind": dict(sorted(self.dropped.items())),
+            "guard_dropped": sum(self.dropped.get(k, 0) for k in ("tokens", "norm")),
+            "guard_clipped": self.clipped,
             "wall_s": float(wall_s),
             "history": self.history,
         }

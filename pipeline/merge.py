@@ -37,6 +37,14 @@ class NonFiniteContribution(ValueError):
     """A contribution whose values (or whose norm) are not finite; nothing was added."""
 
 
+class NormExceeded(ValueError):
+    """A contribution whose ‖δ‖ is above the bound it was offered with; nothing was added."""
+
+    def __init__(self, norm: float, bound: float):
+        super().__init__(f"‖δ‖ {norm:.4g} exceeds {bound:.4g}")
+        self.norm, self.bound = norm, bound
+
+
 class StreamingMerge:
     """Running weighted sums for one fragment; `result()` gives the merged outer gradient.
 
@@ -70,8 +78,10 @@ class StreamingMerge:
                                           dict[str, float]]] = {}
 
     def add(self, delta: Mapping[str, quant.QTensor | np.ndarray], weight: float,
-            anchor: Mapping[str, np.ndarray] | None = None, anchor_id: object = None) -> None:
-        """Fold one outer gradient Δ = anchor + δ with weight w into the running sums.
+            anchor: Mapping[str, np.ndarray] | None = None, anchor_id: object = None, *,
+            max_norm: float | None = None, clip: bool = False) -> float:
+        """Fold one outer gradient Δ = anchor + δ with weight w into the running sums; return
+        ‖δ‖ (over the fragment's tensors, before any clipping).
 
         Args:
             delta: name → δ, a :class:`~pipeline.quant.QTensor` or an fp32 array.
@@ -79,8 +89,11 @@ class StreamingMerge:
             anchor: name → fp32 a (None: Δ = δ); contributions passing the same `anchor_id`
                 must pass the same anchor.
             anchor_id: identifies the anchor (the base version).
+            max_norm: A bound on ‖δ‖ (the poison guard): above it the contribution is refused
+                (`NormExceeded`), or with `clip` scaled down to the bound.
 
         Raises:
+            NormExceeded: ‖δ‖ > `max_norm` and not `clip` (nothing is added).
             NonFiniteContribution: δ holds NaN or infinity (nothing is added; ‖Δ‖² is summed
                 in fp64, which no finite fp32 tensor overflows).
             ValueError: bad weight, tensors that do not match the fragment's.
@@ -105,9 +118,17 @@ class StreamingMerge:
         names = list(delta)
         # pass 1 over every tensor before any sum changes
         stats = kernels.stats([(delta[k], slot[0][k] if slot else None) for k in names])
+        dnorm = math.sqrt(math.fsum(dd for dd, _ in stats))
+        if not math.isfinite(dnorm):
+            raise NonFiniteContribution("non-finite values")
+        s = 1.0  # δ is added as s·δ (s < 1: clipped to max_norm)
+        if max_norm is not None and dnorm > max_norm:
+            if not clip:
+                raise NormExceeded(dnorm, max_norm)
+            s = max_norm / dnorm
         coefs = {}
         for k, (dd, ad) in zip(names, stats, strict=True):
-            n2 = dd + 2.0 * ad + (slot[1][k] if slot else 0.0)
+            n2 = s * s * dd + 2.0 * s * ad + (slot[1][k] if slot else 0.0)
             if not math.isfinite(n2):
                 raise NonFiniteContribution(f"{k}: non-finite values")
             if self._rda[k]:
@@ -116,7 +137,7 @@ class StreamingMerge:
             else:
                 coefs[k] = (weight, 0.0)
         live = [k for k in names if coefs[k] is not None]
-        kernels.axpy([(self._sum[k], delta[k], coefs[k][0]) for k in live])
+        kernels.axpy([(self._sum[k], delta[k], coefs[k][0] * s) for k in live])
         for k in live:
             c, wn = coefs[k]
             self._sum_norm[k] += wn
@@ -124,6 +145,7 @@ class StreamingMerge:
                 slot[2][k] += c
         self.total_weight += weight
         self.count += 1
+        return dnorm
 
     def result(self) -> dict[str, np.ndarray]:
         """The merged outer gradient (fp32). Raises ValueError if nothing was added."""

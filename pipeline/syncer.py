@@ -18,7 +18,8 @@ import numpy as np
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
-from pipeline.merge import NonFiniteContribution, StreamingMerge, token_weight
+from pipeline.guard import NormGuard, token_bound
+from pipeline.merge import NonFiniteContribution, NormExceeded, StreamingMerge, token_weight
 from pipeline.outer import (
     init_state,
     make_outer_step,
@@ -47,6 +48,12 @@ class RoundResult:
     tokens: int
     steps: int
     scale: float = 1.0  # the share of an outer step taken (FragmentSyncer.round_share)
+    clipped: list[str] = field(default_factory=list)  # entries the guard scaled down
+
+
+class RoundRefused(ValueError):
+    """`FragmentSyncer.close` refused to commit a round whose merged value would not be finite:
+    nothing changed but the open round, whose contributions are now drops (`take_drops`)."""
 
 
 @dataclass
@@ -60,6 +67,8 @@ class _Round:
     tokens: int = 0
     steps: int = 0
     anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    norms: list[tuple[float, int, float | None]] = field(default_factory=list)  # ‖δ‖, steps, bound
+    clipped: list[str] = field(default_factory=list)  # entry ids scaled down by the guard
 
 
 def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int
@@ -100,6 +109,7 @@ class FragmentSyncer:
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
+        self.guard = NormGuard(sync_cfg.guard_norm_k) if sync_cfg.guard else None
         self._round = self._new_round()
 
     def _new_round(self) -> _Round:
@@ -113,8 +123,12 @@ class FragmentSyncer:
     def contributors(self) -> frozenset[str]:
         return frozenset(self._round.contributors)
 
-    def offer(self, c: Contribution, now_s: float) -> tuple[bool, str | Reason]:
+    def offer(self, c: Contribution, now_s: float, max_tokens_per_step: int | None = None
+              ) -> tuple[bool, str | Reason]:
         """Accumulate a contribution into the open round, or say why not.
+
+        `max_tokens_per_step` is what the contribution's learner can train on in one step (the
+        poison guard's token bound, `pipeline.guard`; None: not checked).
 
         Returns ``(accepted, reason)``: ``"accepted"``, or a :class:`Reason` whose ``kind`` is a
         duplicate (seen before: not recorded until :meth:`note_duplicate`), already represented
@@ -142,6 +156,10 @@ class FragmentSyncer:
         elif set(c.delta) != set(self.shapes) or any(
                 c.delta[k].shape != s for k, s in self.shapes.items()):
             reason = Reason(Drop.SHAPE, "tensors do not match the fragment's names and shapes")
+        elif self.guard is not None and c.tokens > (
+                token_bound(c.steps, max_tokens_per_step) or c.tokens):
+            reason = Reason(Drop.TOKENS, f"tokens {c.tokens} exceed {c.steps} steps × "
+                            f"{max_tokens_per_step} tokens per step")
         self.seen.add(c.key)
         if reason:
             return self._drop(c, reason)
@@ -150,13 +168,23 @@ class FragmentSyncer:
         if anchor is None:  # Θ(v) − Θ̃(b), shared by every contribution anchored at b
             anchor = self._round.anchors[c.base_version] = {
                 k: self.theta[k] - h for k, h in self.history[c.base_version].items()}
+        bound = self.guard.bound(c.steps) if self.guard is not None else None
         try:
-            self._round.merge.add(c.delta, weight, anchor, anchor_id=c.base_version)
+            norm = self._round.merge.add(c.delta, weight, anchor, anchor_id=c.base_version,
+                                         max_norm=bound,
+                                         clip=self.sync_cfg.guard_action == "clip")
+        except NormExceeded as e:
+            return self._drop(c, Reason(Drop.NORM, f"norm {e.norm / c.steps:.4g} per step "
+                                        f"exceeds {self.guard.k:g} × the recent median "
+                                        f"{self.guard.median():.4g}"))
         except NonFiniteContribution:
             return self._drop(c, Reason(Drop.NON_FINITE, "non-finite values in the contribution"))
         except ValueError as err:  # an internally inconsistent quantised tensor
             return self._drop(c, Reason(Drop.MALFORMED, f"malformed tensors: {err}"))
         r = self._round
+        r.norms.append((norm, c.steps, bound))
+        if bound is not None and norm > bound:
+            r.clipped.append(c.entry_id)
         r.contributors[c.learner] = c
         r.included.append((c.entry_id, c.learner, weight, staleness))
         r.tokens += c.tokens
@@ -218,14 +246,31 @@ class FragmentSyncer:
         r = self._round
         outer_grad = r.merge.result()
         if share == 1.0:
-            self.theta, self.opt_state = outer_step(self._opt, self.theta, outer_grad,
-                                                   self.opt_state, self._outer_step)
+            theta, opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state,
+                                          self._outer_step)
         else:
-            self.theta, self.opt_state = partial_outer_step(self.outer_cfg, self.theta,
-                                                            outer_grad, self.opt_state, share)
+            theta, opt_state = partial_outer_step(self.outer_cfg, self.theta, outer_grad,
+                                                  self.opt_state, share)
+        try:
+            sent, sent_values = encode_down(theta, self.sync_cfg.codec_down,
+                                            self.sync_cfg.quant_block)
+            finite = all(np.isfinite(v).all() for v in (*theta.values(), *sent_values.values()))
+        except (ValueError, FloatingPointError):
+            finite = False
+        if not finite:
+            why = Reason(Drop.ROUND, f"round value would not be finite (v{self.version + 1} "
+                         f"not committed)")
+            dropped = r.dropped + [(entry_id, why) for entry_id, *_ in r.included]
+            self._round = self._new_round()
+            self._round.dropped = dropped
+            raise RoundRefused(f"fragment {self.fragment}: the merged value of "
+                               f"{len(r.included)} contributions would not be finite")
+        self.theta, self.opt_state = theta, opt_state
+        if self.guard is not None:
+            for norm, steps, bound in r.norms:
+                self.guard.accepted(norm, steps, bound)
         self.version += 1
-        self.sent, sent_values = encode_down(self.theta, self.sync_cfg.codec_down,
-                                             self.sync_cfg.quant_block)
+        self.sent = sent
         self.history[self.version] = sent_values
         while len(self.history) > self.sync_cfg.max_staleness + 1:
             self.history.popitem(last=False)
@@ -238,7 +283,7 @@ class FragmentSyncer:
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
             closed_s=now_s, tokens=r.tokens,
-            steps=r.steps, scale=share)
+            steps=r.steps, scale=share, clipped=list(r.clipped))
         self._round = self._new_round()
         return result
 
@@ -264,6 +309,7 @@ class FragmentSyncer:
             "history": {str(v): h for v, h in self.history.items()},
             "seen": sorted([list(k) for k in self.seen]),
             "sync_time_s": self.sync_time_s,
+            "norms": list(self.guard.recent) if self.guard is not None else [],
         }
 
     @classmethod
@@ -278,4 +324,6 @@ class FragmentSyncer:
         s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
+        if s.guard is not None:
+            s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

@@ -34,6 +34,8 @@ import queue
 import re
 import socket
 import time
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,7 @@ from broker.errors import BrokerError
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
 from pipeline.learner import LearnerCore, Push
-from workers.common import RunContext, open_run, read_snapshot
+from workers.common import RunContext, open_run, read_snapshot, write_npz_atomic
 from workers.learner_net import LearnerNet, read_push_log
 
 log = logging.getLogger("diloco.learner")
@@ -391,13 +393,13 @@ class Island:
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
         meta["secs"] = list(self.secs)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, step=self.step, tokens=self.tokens_done, run_hash=self.ctx.run_hash,
-                 core=json.dumps(meta), opt_leaves=len(leaves),
-                 **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
-                 **{f"theta/{n}": np.asarray(v) for n, v in self._params.items()},
-                 **{f"core/{k}": v for k, v in core_arrays.items()})
-        os.replace(tmp, path)
+        write_npz_atomic(path, {
+            "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
+            "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
+            "opt_leaves": np.asarray(len(leaves)),
+            **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
+            **{f"theta/{n}": np.asarray(v) for n, v in self._params.items()},
+            **{f"core/{k}": v for k, v in core_arrays.items()}})
 
     def _resume(self, opt_state: Any) -> tuple[int, int, Any]:
         """(step, tokens, optimizer state) to continue from after a restart.
@@ -407,14 +409,31 @@ class Island:
         """
         path = self._ckpt_path()
         if path is not None and path.exists():
-            with np.load(path) as z:
-                if str(z["run_hash"]) == self.ctx.run_hash:
-                    step, tokens = int(z["step"]), int(z["tokens"])
-                    opt_state = self._restore_opt(z, opt_state)
-                    progress = "core" in z.files and self._restore_progress(z)
-                    registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
-                                   step=step, source="checkpoint", progress=int(progress))
-                    return step, tokens, opt_state
+            given = opt_state
+            try:
+                with np.load(path) as z:
+                    if str(z["run_hash"]) == self.ctx.run_hash:
+                        step, tokens = int(z["step"]), int(z["tokens"])
+                        opt_state = self._restore_opt(z, opt_state)
+                        progress = "core" in z.files and self._restore_progress(z)
+                        registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
+                                       step=step, source="checkpoint", progress=int(progress))
+                        return step, tokens, opt_state
+            except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
+                    zlib.error) as e:
+                # truncated or corrupt: set it aside and resume from the snapshots read at join
+                aside = path.with_name(path.name + ".corrupt")
+                os.replace(path, aside)
+                log.error("%s: checkpoint %s is unreadable (%s: %s); moved to %s, resuming "
+                          "from the latest global values", self.id, path, type(e).__name__, e,
+                          aside)
+                registry.event(self.ctx.r, self.ctx.keys, "checkpoint-corrupt",
+                               learner=self.id, error=f"{type(e).__name__}: {e}")
+                versions, values = self._joined
+                self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values,
+                                        versions)
+                self._params = self._place({k: values[k] for k in self.ctx.shapes})
+                opt_state = given
         rec = self._prior
         if rec and rec.step:
             registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,

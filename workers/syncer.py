@@ -32,7 +32,7 @@ from broker.records import Drop, Included, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
-from pipeline.syncer import FragmentSyncer, RoundResult
+from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native
 from workers.common import RunContext, apply_environment, decode_values, open_run
 
@@ -138,6 +138,8 @@ class Syncer:
         self._next_lease = 0.0
         self._next_claim = 0.0
         self._hasher: ThreadPoolExecutor | None = None
+        # learner → the most tokens one of its steps may claim (its heartbeat's declaration)
+        self.declared: dict[str, int] = {}
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -179,6 +181,17 @@ class Syncer:
             self._lost(p, [e.entry_id for e in pending if not e.fields])
             self._handle([e for e in pending if e.fields], check_deliveries=True)
         self._claim(force=True)
+
+    def run_finished(self) -> bool:
+        """True when the run is over: every learner has its final report and the final rounds
+        of this syncer's fragments are recorded (a syncer started afterwards has no work)."""
+        reports = registry.learner_final_reports(self.ctx.r, self.ctx.keys)
+        if len(reports) < self.run_cfg.learners:
+            return False
+        closed: set[int] = set()
+        for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
+            closed |= {int(p) for p in rep.versions}
+        return set(self.owned) <= closed
 
     def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
         state = unpack_state(blob)
@@ -264,7 +277,13 @@ class Syncer:
             return
         c = meta.contribution(tensors, entry_id=e.entry_id,
                               nbytes=len(e.fields.get(b"payload", b"")))
-        ok, reason = f.core.offer(c, time.monotonic())
+        limit = self.declared.get(meta.learner) or self.ctx.task.tokens_per_step()
+        try:
+            ok, reason = f.core.offer(c, time.monotonic(), limit)
+        except Exception as err:  # noqa: BLE001 - no entry may stop the syncer
+            log.exception("fragment %d entry %s: offering it failed", e.fragment, e.entry_id)
+            self._dead_letter(e, f"offer failed: {type(err).__name__}: {err}")
+            return
         if not ok and reason.kind is Drop.DEFER:
             f.deferred.append(e)
             return
@@ -322,6 +341,8 @@ class Syncer:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
             self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
             recs = registry.learner_records(self.ctx.r, self.ctx.keys)
+            self.declared = {n: rec.max_tokens_per_step for n, rec in recs.items()
+                             if rec.max_tokens_per_step > 0}
             times = [recs[n].step_s for n in self.live if n in recs]
             times = [t for t in times if t]
             if times:
@@ -341,11 +362,24 @@ class Syncer:
             return
         now = time.monotonic()
         if final_expected is not None and final_expected <= f.final_seen:
-            self._close(p, "final flush", now)
-            return
-        d = f.core.decide(now, self.live, self.step_time_s)
-        if d.close:
-            self._close(p, d.reason, now)
+            reason = "final flush"
+        else:
+            d = f.core.decide(now, self.live, self.step_time_s)
+            if not d.close:
+                return
+            reason = d.reason
+        try:
+            self._close(p, reason, now)
+        except RoundRefused as e:
+            # the merged value would not be finite: nothing is committed, the round's entries
+            # are acknowledged as drops with the reason, the fragment keeps its value
+            log.error("%s; the round's entries are dropped", e)
+            registry.event(self.ctx.r, self.ctx.keys, "round-refused", fragment=p,
+                           version=f.core.version, entries=list(f.entries), reason=str(e))
+            self.stats.dropped += len(f.entries)
+            f.ack_extra.extend(f.entries)
+            f.entries = {}
+            self._commit_drops_only(p)
 
     def _commit_drops_only(self, p: int) -> None:
         """Acknowledge refused entries when no round is open (their drop reasons are logged)."""
@@ -395,6 +429,10 @@ class Syncer:
         f.entries, f.ack_extra = {}, []
         log.info("fragment %d v%d: %d merged, %d dropped (%s)", p, result.version,
                  len(result.included), len(result.dropped), reason)
+        if result.clipped:
+            registry.event(self.ctx.r, self.ctx.keys, "clipped", fragment=p,
+                           version=result.version, entries=result.clipped,
+                           reason=f"norm above {self.sync.guard_norm_k:g} × the recent median")
         deferred, f.deferred = f.deferred, []
         for e in deferred:
             self._offer(e)
@@ -535,6 +573,10 @@ def main(cfg: SyncerConfig) -> int:
 
         serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s))
     try:
+        if s.run_finished():
+            log.info("run %r has finished (every learner's final report is in and the final "
+                     "rounds of fragments %s are closed): nothing to do", cfg.run, s.owned)
+            return 0
         s.start()
         return s.run_forever()
     finally:

@@ -13,6 +13,7 @@ import numpy as np
 
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
+from workers.common import write_npz_atomic
 
 
 def new_run_dir(root: str | Path, run: str) -> Path:
@@ -57,7 +58,7 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
     arrays["config_toml"] = np.array(cfgmod.dumps_toml(cfg))
     if versions is not None:
         arrays["versions"] = np.asarray(versions, np.int64)
-    np.savez(path, **arrays)
+    write_npz_atomic(path, arrays)  # an export never leaves a half-written file
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:

@@ -1,0 +1,257 @@
+"""Hostile input: the poison guard (token bound, norm bound), rounds whose value would not be
+finite, hostile entries and records against a real syncer process, a syncer started on a
+finished run, and learners that come back from a truncated checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers_broker import (
+    REPO,
+    contribution_fields,
+    dlq_entries,
+    make_delta,
+    push,
+    store_run,
+    syncer_cmd,
+    tiny_config,
+    wait_for,
+)
+
+from broker import registry
+from broker.connection import connect
+from pipeline import quant
+from pipeline.config import OuterConfig, SyncConfig
+from pipeline.contribution import Contribution, Drop
+from pipeline.guard import MIN_HISTORY
+from pipeline.model import is_embedding
+from pipeline.syncer import FragmentSyncer, RoundRefused
+from workers.common import open_run
+
+NAME = "h0.mlp.fc"
+THETA0 = {NAME: np.zeros(64, np.float32)}
+
+
+def _syncer(**sync) -> FragmentSyncer:
+    cfg = SyncConfig(quorum=1, grace_max_s=0.0, codec_down="fp32", max_staleness=1000, **sync)
+    return FragmentSyncer(0, dict(THETA0), OuterConfig(), cfg, is_embedding=is_embedding)
+
+
+def _c(learner: str, i: int, scale: float = 1e-3, steps: int = 10, tokens: int = 2560,
+       base: int = 0) -> Contribution:
+    rng = np.random.default_rng(i)
+    delta = (scale * rng.standard_normal(64)).astype(np.float32)
+    return Contribution(learner, 0, base, 100 + i, steps, tokens,
+                        {NAME: quant.quantize(delta, "fp32", 64)}, entry_id=f"{learner}-{i}")
+
+
+def _honest_rounds(s: FragmentSyncer, n: int) -> None:
+    for i in range(n):
+        ok, why = s.offer(_c(f"L{i % 3}", i, base=s.version), float(i), 256)
+        assert ok, why
+        s.close(float(i), "test")
+
+
+def test_the_norm_guard_drops_a_huge_contribution_only_after_it_has_a_history():
+    s = _syncer()
+    # before MIN_HISTORY accepted contributions nothing is judged
+    ok, _ = s.offer(_c("L0", 0, scale=1.0, base=0), 0.0, 256)
+    assert ok
+    s.close(0.0, "test")
+    _honest_rounds(s, MIN_HISTORY)
+    ok, why = s.offer(_c("L9", 99, scale=1e-3 * 1e4, base=s.version), 0.0, 256)
+    assert not ok and why.kind is Drop.NORM and "median" in why, why
+    # per step: ten times the steps may carry ten times the norm
+    ok, why = s.offer(_c("L8", 98, scale=5e-3, steps=100, tokens=25600, base=s.version),
+                      0.0, 256)
+    assert ok, why
+    # the history survives the crash-safe state
+    restored = FragmentSyncer.from_state_dict(s.state_dict(), OuterConfig(), s.sync_cfg,
+                                              is_embedding)
+    assert list(restored.guard.recent) == list(s.guard.recent)
+
+
+def test_clipping_scales_the_contribution_to_the_bound_and_records_it():
+    s = _syncer(guard_action="clip")
+    _honest_rounds(s, MIN_HISTORY + 1)
+    v = s.version
+    ok, _ = s.offer(_c("L9", 99, scale=1e-3 * 1e4, base=v), 0.0, 256)
+    assert ok
+    res = s.close(0.0, "test")
+    assert res.clipped == ["L9-99"]
+    assert np.isfinite(res.theta[NAME]).all()
+    # the outer update is bounded by k × median, not by the attacker's 10⁴
+    assert float(np.linalg.norm(res.theta[NAME])) < 1.0
+
+
+def test_inflated_token_counts_are_refused():
+    s = _syncer()
+    ok, why = s.offer(_c("L0", 0, tokens=10**18, steps=1), 0.0, 256)
+    assert not ok and why.kind is Drop.TOKENS
+    ok, why = s.offer(_c("L1", 1, tokens=2560, steps=10), 0.0, 256)
+    assert ok, why
+    # guard off: the same claim is merged (with weight 1e36)
+    off = _syncer(guard=False)
+    assert off.offer(_c("L0", 0, tokens=10**18, steps=1), 0.0, 256)[0]
+
+
+def test_a_round_whose_value_would_overflow_is_not_committed():
+    s = _syncer(guard=False)
+    big = Contribution("L0", 0, 0, 5, 1, 256, {NAME: quant.quantize(
+        np.full(64, 3e38, np.float32), "fp32", 64)}, entry_id="big")
+    ok, why = s.offer(big, 0.0, 256)
+    assert ok, why  # finite values: the merge accepts them
+    with pytest.raises(RoundRefused):
+        s.close(0.0, "test")
+    assert s.version == 0 and np.array_equal(s.theta[NAME], THETA0[NAME])
+    drops = s.take_drops()
+    assert drops and drops[0][0] == "big" and drops[0][1].kind is Drop.ROUND
+    # the fragment carries on
+    ok, _ = s.offer(_c("L1", 1), 0.0, 256)
+    assert ok and s.close(0.0, "test").version == 1
+
+
+# --------------------------------------------------------------- a real syncer process
+
+
+def _start_syncer(url: str, run: str, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as fh:
+        return subprocess.Popen(syncer_cmd(url, run), cwd=REPO, stdout=fh,
+                                stderr=subprocess.STDOUT)
+
+
+def _versions(r, keys, p: int) -> int:
+    recs = r.xrange(keys.fragment(p).rounds)
+    return len(recs)
+
+
+def test_hostile_entries_and_records_never_stop_a_real_syncer(tmp_path, redis_url):
+    r = connect(redis_url)
+    cfg = tiny_config(sync={"quorum": 1, "grace_max_s": 0.0}, broker={"block_ms": 50})
+    keys = store_run(r, "hostile", cfg)
+    proc = _start_syncer(redis_url, "hostile", tmp_path / "syncer.log")
+    p = 1
+    try:
+        wait_for(lambda: r.get(keys.fragment(p).state), 60, what="the syncer's version 0")
+        n = 0
+
+        def honest(seed: int) -> None:
+            nonlocal n
+            v = int(open_run(redis_url, "hostile", wait_s=0).r.xlen(keys.fragment(p).rounds))
+            push(r, keys, p, contribution_fields(f"L{seed % 2}", p, make_delta(cfg, p, seed),
+                                                 base_version=v, step=10 * (seed + 1)))
+            n += 1
+            wait_for(lambda: _versions(r, keys, p) >= n, 30, what=f"honest round {n}")
+            assert proc.poll() is None, (tmp_path / "syncer.log").read_text()[-3000:]
+
+        honest(0)
+        # 1. a field of the wrong type after a valid digest
+        bad = contribution_fields("L0", p, make_delta(cfg, p, 1), base_version=1, step=11)
+        bad["seconds"] = "abc"
+        bad_id = push(r, keys, p, bad)
+        # 2. a heartbeat record that is not an object
+        r.hset(keys.learners, "L7", "[1]")
+        # 3. finite values that overflow the merge (3e38), alone in their round
+        big = {k: np.full_like(v, 3e38) for k, v in make_delta(cfg, p, 2).items()}
+        big_id = push(r, keys, p, contribution_fields("L6", p, big, base_version=1, step=12))
+        # 4. a stranger claiming 10¹⁸ tokens in one step
+        toks_id = push(r, keys, p, contribution_fields("L5", p, make_delta(cfg, p, 3),
+                                                       base_version=1, step=13, steps=1,
+                                                       tokens=10**18))
+        wait_for(lambda: any(e[b"kind"] == b"round-refused" for _, e in
+                             r.xrange(keys.events)), 30, what="the refused round")
+        honest(4)
+        honest(5)
+        assert proc.poll() is None
+        dlq = {e[b"dlq_source_id"].decode(): e[b"dlq_reason"].decode()
+               for e in dlq_entries(r, keys.fragment(p))}
+        assert bad_id in dlq and "seconds" in dlq[bad_id], dlq
+        events = [e for _, e in r.xrange(keys.events)]
+        refused = [e for e in events if e[b"kind"] == b"round-refused"]
+        assert big_id in refused[0][b"entries"].decode()
+        dropped = {e[b"entry"].decode(): e[b"reason"].decode() for e in events
+                   if e[b"kind"] == b"dropped"}
+        dropped.update({entry: str(reason) for rec in _records(r, keys, p)
+                        for entry, reason in rec})
+        assert toks_id in dropped and dropped[toks_id].startswith("tokens "), dropped
+        assert r.xpending(keys.fragment(p).frags, "syncers")["pending"] == 0
+    finally:
+        r.set(keys.stop, "1")
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, (tmp_path / "syncer.log").read_text()[-3000:]
+    assert "Traceback" not in (tmp_path / "syncer.log").read_text()
+
+
+def _records(r, keys, p):
+    out = []
+    for _, f in r.xrange(keys.fragment(p).rounds):
+        out.append([tuple(x) for x in json.loads(f[b"dropped"])])
+    return out
+
+
+def test_a_syncer_started_on_a_finished_run_exits_0(tmp_path, redis_url):
+    from test_e2e import write_config  # the e2e helpers
+
+    cfg_path = write_config(tmp_path, learners=2, steps=20)
+    out = subprocess.run([sys.executable, "-m", "ops.cli", "run", "--config", cfg_path,
+                          "--redis-url", redis_url, "--run", "done", "--out",
+                          str(tmp_path / "runs"), "--json"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t0 = time.monotonic()
+    again = subprocess.run(syncer_cmd(redis_url, "done"), capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has finished" in again.stderr and time.monotonic() - t0 < 60
+    ctx = open_run(redis_url, "done", wait_s=0)
+    assert len(registry.learner_final_reports(ctx.r, ctx.keys)) == 2
+
+
+def test_a_learner_comes_back_from_a_truncated_checkpoint(tmp_path, redis_url):
+    r = connect(redis_url)
+    cfg = tiny_config(learners=2, steps=60, sync={"quorum": 1})
+    keys = store_run(r, "ckpt", cfg)
+    state = tmp_path / "state"
+    base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "ckpt",
+            "--state-dir", str(state)]
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0", "L0b", "L1")}
+    procs = {"syncer": subprocess.Popen(syncer_cmd(redis_url, "ckpt"), cwd=REPO,
+                                        stdout=logs["syncer"], stderr=subprocess.STDOUT)}
+    try:
+        # L0 dies abruptly at step 30; L1 trains on
+        procs["L0"] = subprocess.Popen([*base, "--id", "L0", "--fail-at-step", "30"], cwd=REPO,
+                                       stdout=logs["L0"], stderr=subprocess.STDOUT)
+        procs["L1"] = subprocess.Popen([*base, "--id", "L1"], cwd=REPO, stdout=logs["L1"],
+                                       stderr=subprocess.STDOUT)
+        assert procs["L0"].wait(180) == 19
+        ckpt = state / "L0.ckpt.npz"
+        data = ckpt.read_bytes()
+        ckpt.write_bytes(data[: len(data) // 2])  # a torn write, as a full disk leaves it
+        procs["L0b"] = subprocess.Popen([*base, "--id", "L0"], cwd=REPO, stdout=logs["L0b"],
+                                        stderr=subprocess.STDOUT)
+        for name in ("L0b", "L1", "syncer"):
+            assert procs[name].wait(240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for fh in logs.values():
+            fh.close()
+    ctx = open_run(redis_url, "ckpt", wait_s=0)
+    reports = registry.learner_final_reports(ctx.r, ctx.keys)
+    assert reports["L0"].hashes == reports["L1"].hashes and reports["L0"].steps == 60
+    events = [e for _, e in r.xrange(keys.events)]
+    assert any(e[b"kind"] == b"checkpoint-corrupt" for e in events)
+    assert (state / "L0.ckpt.npz.corrupt").exists()
+    # the restarted learner contributed after its restart
+    assert any(e[b"kind"] == b"resume" and e.get(b"source") == b"heartbeat" for e in events)

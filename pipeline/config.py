@@ -32,6 +32,7 @@ APPLIES = ("overwrite", "rebase")
 # How much of an outer step a round takes (see FragmentSyncer.round_share).
 ROUND_STEPS = ("share", "full")
 GUARD_ACTIONS = ("drop", "clip")
+POISONS = ("norm", "tokens", "signflip")  # the in-process engine's poisoned learner
 
 
 class ConfigError(ValueError):
@@ -129,6 +130,10 @@ class SyncConfig:
     guard_norm_k: float = field(default=10.0, metadata={**_rng(1.0, 1e9), "added": True})
     guard_action: str = field(default="drop",
                               metadata={**_rng(choices=GUARD_ACTIONS), "added": True})
+    # Until a fragment has a history, its norm bound per step is guard_prior × inner.lr ×
+    # √(fragment size): an AdamW step moves each coordinate by a few lr at most. 0: no bound
+    # before the history (set it for tasks whose inner optimizer is not AdamW-like).
+    guard_prior: float = field(default=10.0, metadata={**_rng(0.0, 1e9), "added": True})
 
     @property
     def delta_h(self) -> int:
@@ -168,6 +173,12 @@ class EngineConfig:
     bandwidth_bps: float = field(default=1e9, metadata=_rng(1.0, 1e15))
     sync_s: float = field(default=0.02, metadata=_rng(0.0, 1e6))
     eval_every: int = field(default=0, metadata=_rng(0, 10**9))  # 0: only first and last
+    # A poisoned learner (benchmarks of the poison guard): learner `poison_learner` sends
+    # δ × poison_scale ("norm"), claims tokens × poison_scale ("tokens"), or sends −δ
+    # ("signflip", at an honest norm). -1: every learner is honest.
+    poison_learner: int = field(default=-1, metadata={**_rng(-1, 100_000), "added": True})
+    poison: str = field(default="norm", metadata={**_rng(choices=POISONS), "added": True})
+    poison_scale: float = field(default=1e4, metadata={**_rng(1e-6, 1e18), "added": True})
 
 
 @dataclass(frozen=True)

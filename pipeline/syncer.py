@@ -87,11 +87,13 @@ class FragmentSyncer:
         outer_cfg, sync_cfg: outer optimiser and sync policy (quorum, grace, codecs).
         version: the version of `theta`.
         is_embedding: which tensors are embeddings (the run's task's).
+        prior_step_norm: the poison guard's norm bound per step before the fragment has a
+            history (`pipeline.guard.prior_step_norm` of the run's configuration).
     """
 
     def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,
                  sync_cfg: SyncConfig, version: int = 0, *,
-                 is_embedding: Callable[[str], bool]):
+                 is_embedding: Callable[[str], bool], prior_step_norm: float | None = None):
         self.fragment = fragment
         self.is_embedding = is_embedding
         self.sync_cfg = sync_cfg
@@ -109,7 +111,7 @@ class FragmentSyncer:
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
-        self.guard = NormGuard(sync_cfg.guard_norm_k) if sync_cfg.guard else None
+        self.guard = NormGuard(sync_cfg.guard_norm_k, prior_step_norm) if sync_cfg.guard else None
         self._round = self._new_round()
 
     def _new_round(self) -> _Round:
@@ -175,8 +177,7 @@ class FragmentSyncer:
                                          clip=self.sync_cfg.guard_action == "clip")
         except NormExceeded as e:
             return self._drop(c, Reason(Drop.NORM, f"norm {e.norm / c.steps:.4g} per step "
-                                        f"exceeds {self.guard.k:g} × the recent median "
-                                        f"{self.guard.median():.4g}"))
+                                        f"exceeds {self.guard.describe()}"))
         except NonFiniteContribution:
             return self._drop(c, Reason(Drop.NON_FINITE, "non-finite values in the contribution"))
         except ValueError as err:  # an internally inconsistent quantised tensor
@@ -314,9 +315,10 @@ class FragmentSyncer:
 
     @classmethod
     def from_state_dict(cls, d: dict, outer_cfg: OuterConfig, sync_cfg: SyncConfig,
-                        is_embedding: Callable[[str], bool]) -> FragmentSyncer:
+                        is_embedding: Callable[[str], bool],
+                        prior_step_norm: float | None = None) -> FragmentSyncer:
         s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]),
-                is_embedding=is_embedding)
+                is_embedding=is_embedding, prior_step_norm=prior_step_norm)
         treedef = jax.tree_util.tree_structure(s.opt_state)
         s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
         s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})

@@ -77,6 +77,16 @@ def test_the_norm_guard_drops_a_huge_contribution_only_after_it_has_a_history():
     assert list(restored.guard.recent) == list(s.guard.recent)
 
 
+def test_before_a_history_the_prior_bound_applies():
+    cfg = SyncConfig(quorum=1, grace_max_s=0.0, codec_down="fp32", max_staleness=1000)
+    prior = 10 * 1e-3 * np.sqrt(64)  # guard_prior × lr × √n
+    s = FragmentSyncer(0, dict(THETA0), OuterConfig(), cfg, is_embedding=is_embedding,
+                       prior_step_norm=prior)
+    ok, why = s.offer(_c("L0", 0, scale=1e-3 * 1e4), 0.0, 256)  # a poisoned first push
+    assert not ok and why.kind is Drop.NORM and "prior" in why, why
+    assert s.offer(_c("L1", 1), 0.0, 256)[0]  # an honest one (‖δ‖/step ≈ 8e-4 < 0.08)
+
+
 def test_clipping_scales_the_contribution_to_the_bound_and_records_it():
     s = _syncer(guard_action="clip")
     _honest_rounds(s, MIN_HISTORY + 1)
@@ -133,7 +143,10 @@ def _versions(r, keys, p: int) -> int:
 
 def test_hostile_entries_and_records_never_stop_a_real_syncer(tmp_path, redis_url):
     r = connect(redis_url)
-    cfg = tiny_config(sync={"quorum": 1, "grace_max_s": 0.0}, broker={"block_ms": 50})
+    # no prior norm bound: the overflowing entry must reach the merge (with the default
+    # prior the guard refuses it first, see test_before_a_history_the_prior_bound_applies)
+    cfg = tiny_config(sync={"quorum": 1, "grace_max_s": 0.0, "guard_prior": 0.0},
+                      broker={"block_ms": 50})
     keys = store_run(r, "hostile", cfg)
     proc = _start_syncer(redis_url, "hostile", tmp_path / "syncer.log")
     p = 1

@@ -32,6 +32,7 @@ from broker.records import Drop, Included, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
+from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native
 from workers.common import RunContext, apply_environment, decode_values, open_run
@@ -161,7 +162,8 @@ class Syncer:
                             self.ctx.task.init_params(self.run_cfg.seed).items()}
                 core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
                                       self.run_cfg.outer, self.sync,
-                                      is_embedding=self.ctx.task.is_embedding)
+                                      is_embedding=self.ctx.task.is_embedding,
+                                      prior_step_norm=self._prior(p))
                 self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
                 self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
                                            snapshot=self._snapshot(core))
@@ -203,7 +205,11 @@ class Syncer:
             history[str(v)] = decode_values(tensors)
         state["history"] = history
         return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync,
-                                              self.ctx.task.is_embedding)
+                                              self.ctx.task.is_embedding, self._prior(p))
+
+    def _prior(self, p: int) -> float | None:
+        return fragment_prior(self.run_cfg, {n: self.ctx.shapes[n]
+                                             for n in self.ctx.fragments[p]})
 
     def _state_blob(self, core: FragmentSyncer) -> bytes:
         d = core.state_dict()

@@ -48,12 +48,31 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
     }
 
 
+def poison_variants(base: RunConfig) -> dict[str, RunConfig]:
+    """The poison guard: the last learner of M poisoned, guard on vs off, side by side with
+    the clean run (all decoupled, shipped settings otherwise)."""
+    o = cfgmod.override
+    bad = base.learners - 1
+    runs = {"clean: guard on": o(base, mode="decoupled"),
+            "clean: guard off": o(base, mode="decoupled", **{"sync.guard": False})}
+    for kind, scale, label in (("norm", 1e4, "10⁴× norm"), ("tokens", 1e4, "10⁴× tokens"),
+                               ("signflip", 1.0, "sign-flipped δ")):
+        for guard in (True, False):
+            runs[f"{label}: guard {'on' if guard else 'off'}"] = o(
+                base, mode="decoupled", **{"sync.guard": guard, "engine.poison_learner": bad,
+                                           "engine.poison": kind, "engine.poison_scale": scale})
+    return runs
+
+
 def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
-                frontier: list[int] | None = None,
+                frontier: list[int] | None = None, poison: bool = False,
                 progress: Callable[[str], None] | None = None) -> str:
     """Run the variants (and the frontier over H) at equal tokens; write ``results.json``,
-    ``loss_vs_tokens.png`` and ``results.md`` to `out`; return the markdown table."""
+    ``loss_vs_tokens.png`` and ``results.md`` to `out`; return the markdown table. With
+    `poison`, the poison-guard variants (`poison_variants`) instead, plus ddp."""
     runs = variants(base)
+    if poison:
+        runs = {"ddp": runs["ddp"], **poison_variants(base)}
     for h in frontier or []:
         for up in ("int4", "bf16"):
             runs[f"frontier H={h} {up}/bf16"] = cfgmod.override(
@@ -71,13 +90,20 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
         if progress is not None:
             progress(f"{name:28s} loss {s['final_eval_loss']:.4f} acc "
                      f"{s['final_eval_accuracy']:.4f} ratio {s['bandwidth_ratio_vs_ddp']:7.1f}x "
-                     f"goodput {s['goodput']:.3f} ({s['compute_s']:.0f} s)")
+                     f"goodput {s['goodput']:.3f} guard drops {s.get('guard_dropped', 0)} "
+                     f"({s['compute_s']:.0f} s)")
         (out / "results.json").write_text(json.dumps(results, indent=1))
     artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
                         title=f"eval loss vs tokens, M={base.learners}, in-process engine")
     md = quality_markdown(results, base)
     (out / "results.md").write_text(md)
     return md
+
+
+def _guard_cell(s: dict) -> str:
+    d = s.get("dropped_by_kind", {})
+    cell = f"{d.get('tokens', 0)}, {d.get('norm', 0)}"
+    return cell + (f" (+{s['guard_clipped']} clipped)" if s.get("guard_clipped") else "")
 
 
 def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
@@ -90,13 +116,13 @@ def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
         f"τ={base.sync.overlap_steps}, K={base.sync.quorum}.",
         "",
         "| run | final eval loss | gap to ddp | next-byte accuracy | bytes/token ratio vs fp32 "
-        "ring all-reduce | goodput | rounds |",
-        "|---|---|---|---|---|---|---|",
+        "ring all-reduce | goodput | rounds | refused by the guard (tokens, norm) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in results.items():
         gap = f"{100 * (s['final_eval_loss'] / ddp - 1):+.2f}%" if ddp else "n/a"
         ratio = "1 (baseline)" if s["mode"] == "ddp" else f"{s['bandwidth_ratio_vs_ddp']:.0f}×"
         lines.append(f"| {name} | {s['final_eval_loss']:.4f} | {gap} | "
                      f"{s['final_eval_accuracy']:.4f} | {ratio} | {s['goodput']:.3f} | "
-                     f"{s['rounds']} |")
+                     f"{s['rounds']} | {_guard_cell(s)} |")
     return "\n".join(lines) + "\n"

@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--only", default="", help="comma-separated subset of variant names")
     q.add_argument("--frontier", default="", metavar="H,H,...",
                    help="also run decoupled at these sync intervals H with both codec pairs")
+    q.add_argument("--poison", action="store_true",
+                   help="the poison guard's variants instead: one learner of M poisoned "
+                        "(10⁴× norm, 10⁴× tokens, sign-flipped δ), guard on vs off")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_quality)
     for name, fn, text in _PIPELINE:
@@ -73,7 +76,7 @@ def _quality(args: argparse.Namespace) -> int:
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     try:
         print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
-                                  progress=_progress))
+                                  poison=args.poison, progress=_progress))
     except (ValueError, OSError) as e:
         return fail(str(e))
     return 0

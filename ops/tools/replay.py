@@ -37,6 +37,7 @@ from broker.keys import FragmentKeys, RunKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import config as cfgmod
+from pipeline.guard import fragment_prior
 from pipeline.quant import tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import open_run
@@ -140,7 +141,8 @@ class _Replay:
 
     def _replay(self) -> None:
         core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync(),
-                              is_embedding=self.is_embedding)
+                              is_embedding=self.is_embedding, prior_step_norm=fragment_prior(
+                                  self.cfg, {n: v.shape for n, v in self.theta0.items()}))
         problem = self._check_snapshot(0, tensors_hash(core.sent))
         if problem:
             self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,

@@ -30,6 +30,7 @@ from pathlib import Path
 import msgpack
 import redis
 
+from broker.codec import M_INT, MBin, MList, MMap, MStr, MTuple, unpack_checked
 from broker.errors import DecodeError
 from broker.ids import as_text, id_key
 from broker.keys import RunKeys
@@ -39,6 +40,11 @@ SUFFIX = ".msgpack"
 _RUN_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _ID_RE = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 _MAX_FILE_BYTES = 2**34
+_MAX_ENTRIES = 2**20  # a file is one page of archive_below (1000 by default)
+_MAX_FIELDS = 256  # an entry holds a dozen
+# {"v": 1, "run": str, "fragment": int, "entries": [[entry_id, [[field, value], ...]], ...]}
+_SCHEMA = MMap({"v": M_INT, "run": MStr(200), "fragment": M_INT, "entries": MList(
+    MTuple(MStr(41), MList(MTuple(MBin(1024), MBin()), _MAX_FIELDS)), _MAX_ENTRIES)})
 
 Fields = dict[bytes, bytes]
 
@@ -169,36 +175,34 @@ def load_archive(directory: str | Path, run: str, fragment: int) -> dict[str, Fi
 
 
 def _read_file(path: Path, run: str, fragment: int) -> list[tuple[str, Fields]]:
-    size = path.stat().st_size
-    if size > _MAX_FILE_BYTES:
-        raise ArchiveError(f"{path}: {size} bytes exceeds the limit of {_MAX_FILE_BYTES}")
     try:
-        doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=True,
-                              max_ext_len=0)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ArchiveError(f"{path}: not a msgpack document: {type(e).__name__}: {e}") from e
-    if not isinstance(doc, dict) or set(doc) != {"v", "run", "fragment", "entries"}:
-        raise ArchiveError(f"{path}: expected a map with keys v, run, fragment, entries")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_FILE_BYTES:
+                raise ArchiveError(f"{path}: {size} bytes exceeds the limit of {_MAX_FILE_BYTES}")
+            blob = f.read(size + 1)  # read(n) allocates n bytes first: the size, not the limit
+    except IsADirectoryError as e:
+        raise ArchiveError(f"{path}: not a file") from e
+    if len(blob) != size:
+        raise ArchiveError(f"{path}: changed while it was read")
+    try:
+        doc = unpack_checked(blob, _SCHEMA, "archive file")
+    except DecodeError as e:
+        raise ArchiveError(f"{path}: {e}") from e
+    del blob
     if doc["v"] != ARCHIVE_VERSION:
         raise ArchiveError(f"{path}: unsupported archive version {doc['v']!r}")
     if doc["run"] != run or doc["fragment"] != fragment:
-        raise ArchiveError(f"{path}: holds run {doc['run']!r} fragment {doc['fragment']!r}, "
+        raise ArchiveError(f"{path}: holds run {doc['run'][:80]!r} fragment {doc['fragment']!r}, "
                            f"expected {run!r} fragment {fragment}")
-    rows = doc["entries"]
-    if not isinstance(rows, list):
-        raise ArchiveError(f"{path}: entries must be a list")
     out = []
-    for row in rows:
-        if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str)
-                or not _ID_RE.fullmatch(row[0]) or not isinstance(row[1], list)):
-            raise ArchiveError(f"{path}: malformed entry row")
-        fields: Fields = {}
-        for pair in row[1]:
-            if (not isinstance(pair, list) or len(pair) != 2
-                    or not all(isinstance(x, bytes) for x in pair)):
-                raise ArchiveError(f"{path}: entry {row[0]}: fields must be [bin, bin] pairs")
-            fields[pair[0]] = pair[1]
-        out.append((row[0], fields))
+    for eid, pairs in doc["entries"]:
+        if not _ID_RE.fullmatch(eid):
+            raise ArchiveError(f"{path}: {eid!r} is not a stream entry id")
+        fields: Fields = dict(pairs)  # type: ignore[arg-type]
+        if len(fields) != len(pairs):
+            raise ArchiveError(f"{path}: entry {eid} holds a field twice")
+        out.append((eid, fields))
     return out
 
 

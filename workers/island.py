@@ -81,6 +81,15 @@ class IslandConfig:
     max_tokens_per_step: int | None = None
 
 
+def _finite_or_none(x: Any) -> float | None:
+    """A loss for a heartbeat: None when absent or not finite (heartbeats carry finite
+    numbers only)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if np.isfinite(x) else None
+
+
 def shard_of(learner_id: str, shard: int | None, learners: int) -> int:
     """The data shard of a learner: `shard`, else the trailing number of its id, else 0.
 
@@ -238,7 +247,7 @@ class Island:
             self._t_rate, self._tok_rate = now, self.tokens_done
             self.net.report(step=self.step, tokens=self.tokens_done, tokens_per_s=tps,
                             step_s=self.step_s, versions=list(self.core.base_version),
-                            loss=None if loss is None else float(loss), **self._identity())
+                            loss=_finite_or_none(loss), **self._identity())
         if self.state_dir is not None and self.step % self.every == 0:
             self._checkpoint(opt_state)
         self._t_last = time.monotonic()

@@ -196,7 +196,7 @@ class Syncer:
         return set(self.owned) <= closed
 
     def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
-        state = unpack_state(blob)
+        state = unpack_state(blob, max_bytes=self._state_limit(), shapes=self._shapes(p))
         version = int(state["version"])
         lo = max(0, version - self.sync.max_staleness)
         history = {}
@@ -206,6 +206,14 @@ class Syncer:
         state["history"] = history
         return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync,
                                               self.ctx.task.is_embedding, self._prior(p))
+
+    def _shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: self.ctx.shapes[n] for n in self.ctx.fragments[p]}
+
+    def _state_limit(self) -> int:
+        """The largest state blob to decode: Θ and two momentum-sized buffers in fp32 and
+        the bookkeeping — bounded by the payload limit's scale, never by the blob itself."""
+        return 4 * self.bcfg.max_payload_bytes
 
     def _prior(self, p: int) -> float | None:
         return fragment_prior(self.run_cfg, {n: self.ctx.shapes[n]
@@ -548,7 +556,8 @@ class Syncer:
             if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
                 raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
             blob, _ = self.streams.load_state(p)
-            stored = int(unpack_state(blob)["version"]) if blob else -1
+            stored = int(unpack_state(blob, max_bytes=self._state_limit(),
+                                      shapes=self._shapes(p))["version"]) if blob else -1
             if stored >= f.core.version:
                 continue
             lost = [(rec, acks) for rec, acks in f.recent if rec.version > stored]

@@ -304,7 +304,8 @@ class _Replay:
         blob = self.r.get(self.fk.state)
         if blob is None:
             return
-        state = unpack_state(blob)
+        state = unpack_state(blob, max_bytes=4 * self.max_bytes,
+                             shapes={n: v.shape for n, v in self.theta0.items()})
         stored = int(state["version"])
         if stored > core.version and (self.until is None or self.until > core.version):
             raise _Unusable(f"the committed state is at version {stored}, the rounds stream "

@@ -73,6 +73,7 @@ class Subscriber:
         self.max_bytes = max_bytes
         self.received_bytes = 0
         self.decode_errors = 0
+        self.last_error = ""
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
 
@@ -90,8 +91,9 @@ class Subscriber:
         self.received_bytes += sum(len(f.buffer) for f in frames)
         try:
             return codec.parse_global_frames(frames, max_bytes=self.max_bytes)
-        except DecodeError:
+        except DecodeError as e:
             self.decode_errors += 1
+            self.last_error = str(e)[:500]
             return None
 
     def close(self) -> None:

@@ -268,3 +268,44 @@ def test_a_learner_comes_back_from_a_truncated_checkpoint(tmp_path, redis_url):
     assert (state / "L0.ckpt.npz.corrupt").exists()
     # the restarted learner contributed after its restart
     assert any(e[b"kind"] == b"resume" and e.get(b"source") == b"heartbeat" for e in events)
+
+
+def test_a_learner_rejects_bad_merged_values_and_keeps_real_ones(redis_url):
+    import zmq
+
+    from broker import codec
+    from workers.learner_net import LearnerNet
+
+    r = connect(redis_url)
+    cfg = tiny_config()
+    keys = store_run(r, "bad-global", cfg)
+    ctx = open_run(redis_url, "bad-global", wait_s=0)
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx)
+    try:
+        p = 1
+        good = {n: quant.quantize(np.zeros(ctx.shapes[n], np.float32), "bf16", 64)
+                for n in ctx.fragments[p]}
+        nan = {n: quant.QTensor("fp32", tuple(ctx.shapes[n]),
+                                np.full(int(np.prod(ctx.shapes[n])), np.nan, np.float32),
+                                None, 0) for n in ctx.fragments[p]}
+
+        def header(run: str, version: int, tensors: dict) -> codec.GlobalHeader:
+            blob = codec.pack_snapshot(run, p, version, tensors)
+            return codec.unpack_snapshot(blob)
+
+        for run, version, tensors in (("other-run", 5, good), ("bad-global", 2**62, nan),
+                                      ("bad-global", 3, {**good, "extra": good[next(
+                                          iter(good))]})):
+            h, t = header(run, version, tensors)
+            net._deliver(h, t)
+        assert net.inbox.empty() and net.stats.rejected == 3
+        h, t = header("bad-global", 2, good)  # a real version after the bad ones is taken
+        net._deliver(h, t)
+        assert net.inbox.get_nowait()[:2] == (p, 2)
+        events = [e for _, e in r.xrange(keys.events) if e[b"kind"] == b"bad-global"]
+        assert len(events) == 3 and b"another" not in events[0][b"reason"]
+        assert b"other-run" in events[0][b"reason"] and b"non-finite" in events[1][b"reason"]
+    finally:
+        net.sub.close()
+        zctx.term()

@@ -211,6 +211,7 @@ class Island:
         Returns:
             The parameters to continue from: the same values unless a merged value was due.
         """
+        self._check_net()
         now = time.monotonic()
         dt = now - self._t_last  # the caller's step: from the end of the last after_step
         n_tok = self.tokens_per_step if tokens is None else int(tokens)
@@ -348,7 +349,14 @@ class Island:
         registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
                        versions=versions, pid=os.getpid(), devices=self.cfg.devices)
 
+    def _check_net(self) -> None:
+        """Fail loudly if the network thread died (a learner must not train on unsynced)."""
+        if self.net.ident is not None and not self.net.is_alive() and not self._closed:
+            raise BrokerError(f"{self.id}: the network thread stopped unexpectedly (see the "
+                              f"log above)")
+
     def _drain_inbox(self, timeout_s: float = 0.0) -> int:
+        self._check_net()
         n = 0
         try:
             item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import redis
 import zmq
 
@@ -42,6 +43,7 @@ def read_push_log(path: Path):
 @dataclass
 class NetStats:
     pushes_attempted: int = 0
+    rejected: int = 0  # merged values that failed a check (never applied)
     pushes_acked: int = 0
     push_errors: int = 0
     bytes_sent: int = 0
@@ -217,12 +219,15 @@ class LearnerNet(threading.Thread):
                 header, tensors = codec.unpack_snapshot(blob,
                                                         max_bytes=self.bcfg.max_payload_bytes)
             except DecodeError as e:
-                log.error("%s: snapshot of fragment %d is malformed: %s", self.id, p, e)
+                self._reject(p, f"malformed snapshot: {e}")
                 continue
-            self._deliver(header.fragment, header.version, tensors)
+            self._deliver(header, tensors)
 
     def _receive(self, timeout_ms: int) -> None:
+        errors = self.sub.decode_errors
         msg = self.sub.recv(timeout_ms)
+        if self.sub.decode_errors != errors:
+            self._reject(None, f"malformed merged value: {self.sub.last_error}")
         if msg is None:
             return
         header, tensors = msg
@@ -231,13 +236,39 @@ class LearnerNet(threading.Thread):
             # A missed message: the new one carries the whole value, so nothing is lost, but
             # it is counted (a steady gap rate means the HWM is too small for the link).
             self.stats.zmq_gaps += 1
-        self._deliver(header.fragment, header.version, tensors)
+        self._deliver(header, tensors)
 
-    def _deliver(self, p: int, version: int, tensors: dict) -> None:
+    def _deliver(self, header, tensors: dict) -> None:
+        """Hand a merged value to the training loop, once it has passed every check."""
+        p, version = header.fragment, header.version
         if version <= self._last_version.get(p, -1):
             return
+        if header.run != self.ctx.keys.run:
+            return self._reject(p, f"a value of run {header.run!r}, not {self.ctx.keys.run!r}")
+        if not 0 <= p < len(self.ctx.fragments):
+            return self._reject(p, f"fragment {p} is not one of the run's")
+        want = {n: tuple(self.ctx.shapes[n]) for n in self.ctx.fragments[p]}
+        got = {n: tuple(q.shape) for n, q in tensors.items()}
+        if got != want:
+            return self._reject(p, "tensors do not match the fragment's names and shapes")
+        values = decode_values(tensors)
+        if not all(np.isfinite(v).all() for v in values.values()):
+            return self._reject(p, f"non-finite values in version {version}")
         self._last_version[p] = version
-        self.inbox.put((p, version, decode_values(tensors)))
+        self.inbox.put((p, version, values))
+
+    def _reject(self, p: int | None, reason: str) -> None:
+        """A merged value (message or snapshot) that fails a check: counted, logged and
+        recorded as a `bad-global` event (the first 100), never applied."""
+        self.stats.rejected += 1
+        log.error("%s: rejected a merged value%s: %s", self.id,
+                  "" if p is None else f" of fragment {p}", reason)
+        if self.stats.rejected <= 100:
+            try:
+                registry.event(self.ctx.r, self.ctx.keys, "bad-global", learner=self.id,
+                               fragment=-1 if p is None else p, reason=reason)
+            except redis.RedisError:
+                pass  # the log line stands; Redis being away is handled by the loop
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.stop_event.set()

@@ -118,7 +118,7 @@ def archive_entries(directory: str | Path, run: str, fragment: int,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return path
 
 
@@ -214,7 +214,7 @@ def _b(v: bytes | str | int | float) -> bytes:
     return str(v).encode()
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make the rename durable (best effort: not every platform can fsync a folder)."""
     try:
         fd = os.open(folder, os.O_RDONLY)

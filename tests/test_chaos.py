@@ -33,6 +33,7 @@ def chaos(tmp_path, faults: list[Fault], duration_s: float, **overrides) -> dict
 
 def check(rep: dict, learners: int = 3) -> None:
     assert rep["lost"] == 0, rep["lost_keys"]
+    assert rep["dropped_by_guard"] == 0, rep  # honest learners: the poison guard refuses none
     assert rep["crashes"] == {}, rep["crashes"]  # nothing died that the harness did not kill
     assert rep["learners_finished"] == [f"L{m}" for m in range(learners)], rep["exit_codes"]
     assert rep["identical_final_values"], rep["learner_hashes"]

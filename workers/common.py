@@ -12,6 +12,7 @@ import numpy as np
 import redis
 
 from broker import codec, registry
+from broker.archive import fsync_dir
 from broker.connection import connect
 from broker.keys import RunKeys
 from pipeline import config as cfgmod
@@ -122,16 +123,7 @@ def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return  # not every platform can open a folder
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def enable_compile_cache(path: Path) -> None:

@@ -28,6 +28,8 @@ Key = tuple[str, int, int, int]
 IdMap = dict[tuple[int, str], Key]  # (fragment, entry id) → key: ids are unique per stream only
 
 
+_GUARD = (Drop.TOKENS, Drop.NORM, Drop.ROUND)  # the poison guard's refusals
+
 def read_acked(state_dir: Path) -> tuple[IdMap, set[Key], int, set[Key]]:
     """(entry id → key, acknowledged keys, re-pushes, attempted keys) from the learners' logs."""
     id_key: IdMap = {}
@@ -65,6 +67,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     merged: set[Key] = set()
     dropped_stale: set[Key] = set()
     dropped_other: set[Key] = set()
+    guard: set[Key] = set()  # refused by the poison guard (tokens, norm) or a refused round
     duplicated = 0
     dead: set[Key] = set()
     round_times: list[float] = []
@@ -97,6 +100,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 k = _key_of(r, keys, p, entry_id, id_key)
                 if k is not None:
                     (dropped_stale if reason.kind is Drop.STALE else dropped_other).add(k)
+                    if reason.kind in _GUARD:
+                        guard.add(k)
         for _, f in r.xrange(fk.dlq):
             k = _key_of(r, keys, p, as_text(f.get(b"dlq_source_id", b"")), id_key)
             if k is None and (peek := codec.peek_key(f)) is not None:
@@ -113,6 +118,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                     duplicated += 1
                 else:
                     (dropped_stale if kind is Drop.STALE else dropped_other).add(k)
+                    if kind in _GUARD:
+                        guard.add(k)
     t_end = max([t_end, *round_times])  # the final flush merges work done before the stop
     accounted = merged | dropped_stale | dropped_other | dead
     lost = sorted(acked - accounted)
@@ -132,6 +139,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
         "merged": len(merged & acked) + len(merged - acked),
         "dropped_stale": len(dropped_stale - merged),
         "dropped_other": len(dropped_other - merged - dropped_stale),
+        "dropped_by_guard": len(guard - merged),
         "dead_lettered": len(dead),
         "duplicated": duplicated + repushes,
         "repushed_after_redis_loss": repushes,

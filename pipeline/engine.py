@@ -96,6 +96,7 @@ class Engine:
         self.n_params = n_params(self.task)
         self.eval_batches = corpus.eval_batches(cfg.data.eval_batches, cfg.inner.batch_size)
         self.history: list[dict] = []
+        self.diverged = ""  # why training stopped early: a learner's values stopped being finite
         self.dropped: dict[str, int] = {}  # refusals by kind (the guard's: tokens, norm)
         self.clipped = 0
         self._seq = itertools.count()
@@ -198,12 +199,19 @@ class Engine:
                 break
             lr = min(runnable, key=lambda x: (x.clock_s + eng.step_s / x.speed, x.idx))
             self.now = t_next
-            self._learner_step(lr, t_next)
+            try:
+                self._learner_step(lr, t_next)
+            except ValueError as e:  # a learner's parameters are no longer finite
+                if "non-finite" not in str(e):
+                    raise
+                self.diverged = f"{lr.name} at step {lr.step}: {e}"
+                break
             done = min(x.step for x in self.learners)
             if next_eval and done >= next_eval and done < cfg.steps:
                 self._eval(self._global(), done * tps * M, self.now)
                 next_eval += eng.eval_every
-        self._final_flush()
+        if not self.diverged:
+            self._final_flush()
         last = self._eval(self._global(), cfg.steps * tps * M, self.now)
         sent = int(np.mean([lr.bytes_sent for lr in self.learners]))
         received = int(np.mean([lr.bytes_received for lr in self.learners]))
@@ -400,6 +408,7 @@ class Engine:
             "dropped_by_kind": dict(sorted(self.dropped.items())),
             "guard_dropped": sum(self.dropped.get(k, 0) for k in ("tokens", "norm")),
             "guard_clipped": self.clipped,
+            "diverged": self.diverged or None,
             "wall_s": float(wall_s),
             "history": self.history,
         }

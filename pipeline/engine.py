@@ -286,7 +286,7 @@ class Engine:
     def _decide(self, p: int, force_reason: str | None = None) -> None:
         s = self.syncers[p]
         if force_reason is None:
-            d = s.decide(self.now, self._live(), self._step_time())
+            d = s.decide(self.now, s.counted(self._live()), self._step_time())
             if not d.close:
                 if d.wait_until_s is not None:
                     self._push_event(d.wait_until_s, "decide", p)
@@ -297,7 +297,7 @@ class Engine:
         if not s.contributors:
             return
         try:
-            result = s.close(self.now, reason, s.round_share(len(self._live())))
+            result = s.close(self.now, reason, s.round_share(len(s.counted(self._live()))))
         except RoundRefused:
             for _, why in s.take_drops():
                 self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1

@@ -112,6 +112,9 @@ class FragmentSyncer:
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
         self.guard = NormGuard(sync_cfg.guard_norm_k, prior_step_norm) if sync_cfg.guard else None
+        # learners whose last contribution the guard refused: not counted as live for the
+        # quorum, the grace window and a round's share of an outer step until one is accepted
+        self.suspects: set[str] = set()
         self._round = self._new_round()
 
     def _new_round(self) -> _Round:
@@ -164,6 +167,8 @@ class FragmentSyncer:
                             f"{max_tokens_per_step} tokens per step")
         self.seen.add(c.key)
         if reason:
+            if reason.kind is Drop.TOKENS:
+                self.suspects.add(c.learner)
             return self._drop(c, reason)
         weight = token_weight(c.tokens, c.steps)
         anchor = self._round.anchors.get(c.base_version)
@@ -176,6 +181,7 @@ class FragmentSyncer:
                                          max_norm=bound,
                                          clip=self.sync_cfg.guard_action == "clip")
         except NormExceeded as e:
+            self.suspects.add(c.learner)
             return self._drop(c, Reason(Drop.NORM, f"norm {e.norm / c.steps:.4g} per step "
                                         f"exceeds {self.guard.describe()}"))
         except NonFiniteContribution:
@@ -183,6 +189,7 @@ class FragmentSyncer:
         except ValueError as err:  # an internally inconsistent quantised tensor
             return self._drop(c, Reason(Drop.MALFORMED, f"malformed tensors: {err}"))
         r = self._round
+        self.suspects.discard(c.learner)
         r.norms.append((norm, c.steps, bound))
         if bound is not None and norm > bound:
             r.clipped.append(c.entry_id)
@@ -209,6 +216,11 @@ class FragmentSyncer:
         """Record a refused duplicate in the next round record (the I/O layer acknowledges
         it with that round's commit, so the record accounts for the entry)."""
         self._round.dropped.append((entry_id, Reason(Drop.DUPLICATE)))
+
+    def counted(self, live: frozenset[str]) -> frozenset[str]:
+        """The live learners that count for quorum, grace and a round's share: the live ones
+        but those whose last contribution the poison guard refused."""
+        return live - self.suspects if self.suspects else live
 
     def view(self, live: frozenset[str]) -> RoundView:
         r = self._round

@@ -311,3 +311,14 @@ def test_a_learner_rejects_bad_merged_values_and_keeps_real_ones(redis_url):
     finally:
         net.sub.close()
         zctx.term()
+
+
+def test_a_refused_learner_does_not_count_for_the_quorum_or_the_round_share():
+    s = _syncer()
+    live = frozenset({"L0", "L1", "L2", "L3"})
+    ok, why = s.offer(_c("L3", 0, tokens=10**18, steps=1), 0.0, 256)
+    assert not ok and s.counted(live) == {"L0", "L1", "L2"}
+    assert s.offer(_c("L0", 1), 0.0, 256)[0]
+    assert s.round_share(len(s.counted(live))) == 1 / 3
+    assert s.offer(_c("L3", 2), 0.0, 256)[0]  # an honest push clears the suspicion
+    assert s.counted(live) == live

@@ -378,7 +378,7 @@ class Syncer:
         if final_expected is not None and final_expected <= f.final_seen:
             reason = "final flush"
         else:
-            d = f.core.decide(now, self.live, self.step_time_s)
+            d = f.core.decide(now, f.core.counted(self.live), self.step_time_s)
             if not d.close:
                 return
             reason = d.reason
@@ -407,7 +407,8 @@ class Syncer:
     def _close(self, p: int, reason: str, now: float) -> None:
         f = self.frags[p]
         t0 = time.monotonic()
-        result = f.core.close(now, reason, f.core.round_share(len(self.live)))
+        result = f.core.close(now, reason,
+                              f.core.round_share(len(f.core.counted(self.live))))
         self.stats.commits += 1
         self.cfg.faults.at("before", self.stats.commits)
         record = self._record(result, t0)

@@ -99,6 +99,7 @@ class Engine:
         self.diverged = ""  # why training stopped early: a learner's values stopped being finite
         self.dropped: dict[str, int] = {}  # refusals by kind (the guard's: tokens, norm)
         self.clipped = 0
+        self.poisoned = 0  # pushes the poisoned learner sent (engine.poison_learner)
         self._seq = itertools.count()
         self._events: list[_Event] = []
 
@@ -255,6 +256,7 @@ class Engine:
         payload, tokens = dict(push.payload), push.tokens
         if lr.idx == eng.poison_learner:
             payload, tokens = self._poisoned(payload, tokens)
+            self.poisoned += 1
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
                          tokens, payload,
                          entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
@@ -378,6 +380,9 @@ class Engine:
                 self._on_arrive(*ev.data)
         for p in range(len(self.frags)):
             self._decide(p, force_reason="final flush")
+        for s in self.syncers:  # refusals no round closed after (the last pushes): counted too
+            for _, why in s.take_drops():
+                self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
         self._events.clear()
 
     def _summary(self, first: dict, last: dict, *, tokens: int, sent: int, received: int,
@@ -408,6 +413,7 @@ class Engine:
             "dropped_by_kind": dict(sorted(self.dropped.items())),
             "guard_dropped": sum(self.dropped.get(k, 0) for k in ("tokens", "norm")),
             "guard_clipped": self.clipped,
+            "poisoned_pushes": self.poisoned,
             "diverged": self.diverged or None,
             "wall_s": float(wall_s),
             "history": self.history,

@@ -4,9 +4,8 @@ and a 1-device learner train one run, end with identical parameters, and the run
 from __future__ import annotations
 
 import sys
-import time
 
-from test_user_task import ROOT, TINY, _spawn
+from test_user_task import ROOT, TINY, _spawn, run_to_the_end
 
 from broker import registry
 from ops.cluster import store_run_config
@@ -27,15 +26,7 @@ def test_islands_of_one_and_four_devices_complete_and_replay(redis_url, tmp_path
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     procs["L1"] = _spawn(base + ["workers.learner", *args, "--id", "L1", "--devices", "4"],
                          tmp_path / "L1.log")
-    try:
-        deadline = time.monotonic() + 300
-        for name in ("L0", "L1", "syncer"):
-            left = max(1.0, deadline - time.monotonic())
-            assert procs[name].wait(left) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    run_to_the_end(procs, ("L0", "L1", "syncer"), tmp_path)
     ctx = open_run(redis_url, "islands", wait_s=0)
     reports = registry.learner_final_reports(ctx.r, ctx.keys)
     assert sorted(reports) == ["L0", "L1"]

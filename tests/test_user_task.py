@@ -203,6 +203,20 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
+def run_to_the_end(procs: dict[str, subprocess.Popen], order: tuple[str, ...], logs: Path,
+                   timeout_s: float = 300) -> None:
+    """Wait for every process (in `order`) to exit 0 within one deadline; kill the rest."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            left = max(1.0, deadline - time.monotonic())
+            assert procs[name].wait(left) == 0, (logs / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
 def test_the_hand_written_loop_example_joins_cli_learners_with_identical_results(
         redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), str(ROOT)]))
@@ -224,15 +238,7 @@ def test_the_hand_written_loop_example_joins_cli_learners_with_identical_results
                       "--run", "mixed", "--id", "L2", "--state-dir", str(tmp_path / "L2")],
                      tmp_path / "L2.log"),
     }
-    try:
-        deadline = time.monotonic() + 300
-        for name in ("L0", "L1", "L2", "syncer"):
-            left = max(1.0, deadline - time.monotonic())
-            assert procs[name].wait(left) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+    run_to_the_end(procs, ("L0", "L1", "L2", "syncer"), tmp_path)
     ctx = open_run(redis_url, "mixed", wait_s=0)
     reports = registry.learner_final_reports(ctx.r, ctx.keys)
     assert sorted(reports) == ["L0", "L1", "L2"]

@@ -99,6 +99,7 @@ class Engine:
         self.diverged = ""  # why training stopped early: a learner's values stopped being finite
         self.dropped: dict[str, int] = {}  # refusals by kind (the guard's: tokens, norm)
         self.clipped = 0
+        self.round_sizes: dict[int, int] = {}  # contributions merged → rounds
         self.poisoned = 0  # pushes the poisoned learner sent (engine.poison_learner)
         self._seq = itertools.count()
         self._events: list[_Event] = []
@@ -307,6 +308,8 @@ class Engine:
         for _, why in result.dropped:
             self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
         self.clipped += len(result.clipped)
+        n = len(result.included)
+        self.round_sizes[n] = self.round_sizes.get(n, 0) + 1
         s.record_sync_time(self.cfg.engine.sync_s)
         self.rounds += 1
         frac = self.frag_sizes[p] / self.n_params
@@ -410,6 +413,7 @@ class Engine:
             "bandwidth_ratio_vs_ddp": float(ratio),
             "goodput": float(goodput),
             "rounds": int(rounds),
+            "round_sizes": {str(n): c for n, c in sorted(self.round_sizes.items())},
             "dropped_by_kind": dict(sorted(self.dropped.items())),
             "guard_dropped": sum(self.dropped.get(k, 0) for k in ("tokens", "norm")),
             "guard_clipped": self.clipped,

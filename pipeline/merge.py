@@ -8,6 +8,12 @@ Weights are "quantity × quality": w_m = tokens_m² / steps_m. Non-embedding ten
 radial-directional averaging, RDA = (Σ w‖Δ‖ / Σ w) · φ(Σ w φ(Δ) / Σ w) with φ(x) = x/‖x‖;
 embeddings (sparse row updates) by the weighted mean. The accumulator keeps running sums only, so
 memory stays O(fragment size) however many learners contribute.
+
+For runs with learners that are not trusted, ``sync.merge = "trimmed"`` (`TrimmedMerge`) is the
+robust variant of RDA: the directions are averaged by a coordinate-wise *weighted trimmed mean*
+(the weight mass ``sync.trim`` at each end of every coordinate is left out) and so are the
+norms; embeddings by the trimmed mean of Δ. It holds every contribution of the round (memory
+O(contributions × fragment size)).
 """
 
 from __future__ import annotations
@@ -43,6 +49,50 @@ class NormExceeded(ValueError):
     def __init__(self, norm: float, bound: float):
         super().__init__(f"‖δ‖ {norm:.4g} exceeds {bound:.4g}")
         self.norm, self.bound = norm, bound
+
+
+def _check_add(shapes: Mapping[str, tuple[int, ...]], delta: Mapping[str, object],
+               weight: float) -> None:
+    if not weight > 0:
+        raise ValueError(f"merge weight must be > 0, got {weight}")
+    if set(delta) != set(shapes):
+        raise ValueError("contribution tensors do not match the fragment's tensors")
+    for k, d in delta.items():
+        if tuple(d.shape) != shapes[k]:
+            raise ValueError(f"{k}: shape {tuple(d.shape)}, the fragment's is {shapes[k]}")
+
+
+def _clip_scale(dnorm: float, max_norm: float | None, clip: bool) -> float:
+    """The factor s the contribution's δ is added with (1, or max_norm/‖δ‖ when clipped)."""
+    if not math.isfinite(dnorm):
+        raise NonFiniteContribution("non-finite values")
+    if max_norm is not None and dnorm > max_norm:
+        if not clip:
+            raise NormExceeded(dnorm, max_norm)
+        return max_norm / dnorm
+    return 1.0
+
+
+def trimmed_mean(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
+    """The weighted trimmed mean over axis 0 of `x` (n × …), weights `w` (n, all > 0).
+
+    Per coordinate the n values are sorted and the weight mass ``trim × Σw`` at each end is
+    left out (a value straddling a cut counts with the part of its weight inside), so with
+    equal weights and n = 4, trim 0.25 drops the lowest and the highest value; with n = 2
+    equal weights it is the plain mean; trim → 0.5 tends to the weighted median.
+    """
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    w = np.asarray(w, np.float64)
+    total = float(w.sum())
+    lo_cut, hi_cut = trim * total, (1.0 - trim) * total
+    order = np.argsort(x, axis=0, kind="stable")
+    xs = np.take_along_axis(x, order, axis=0).astype(np.float64)
+    ws = w[order]
+    hi = np.cumsum(ws, axis=0)
+    lo = hi - ws
+    kept = np.clip(np.minimum(hi, hi_cut) - np.maximum(lo, lo_cut), 0.0, None)
+    return (kept * xs).sum(axis=0) / (hi_cut - lo_cut)
 
 
 class StreamingMerge:
@@ -98,14 +148,7 @@ class StreamingMerge:
                 in fp64, which no finite fp32 tensor overflows).
             ValueError: bad weight, tensors that do not match the fragment's.
         """
-        if not weight > 0:
-            raise ValueError(f"merge weight must be > 0, got {weight}")
-        if set(delta) != set(self._sum):
-            raise ValueError("contribution tensors do not match the fragment's tensors")
-        for k, d in delta.items():
-            if tuple(d.shape) != self.shapes[k]:
-                raise ValueError(f"{k}: shape {tuple(d.shape)}, the fragment's is "
-                                 f"{self.shapes[k]}")
+        _check_add(self.shapes, delta, weight)
         slot = None
         if anchor is not None:
             slot = self._anchors.get(anchor_id)
@@ -119,13 +162,7 @@ class StreamingMerge:
         # pass 1 over every tensor before any sum changes
         stats = kernels.stats([(delta[k], slot[0][k] if slot else None) for k in names])
         dnorm = math.sqrt(math.fsum(dd for dd, _ in stats))
-        if not math.isfinite(dnorm):
-            raise NonFiniteContribution("non-finite values")
-        s = 1.0  # δ is added as s·δ (s < 1: clipped to max_norm)
-        if max_norm is not None and dnorm > max_norm:
-            if not clip:
-                raise NormExceeded(dnorm, max_norm)
-            s = max_norm / dnorm
+        s = _clip_scale(dnorm, max_norm, clip)  # δ is added as s·δ (s < 1: clipped)
         coefs = {}
         for k, (dd, ad) in zip(names, stats, strict=True):
             n2 = s * s * dd + 2.0 * s * ad + (slot[1][k] if slot else 0.0)
@@ -163,3 +200,92 @@ class StreamingMerge:
                 mean = mean * (radius / norm) if norm > 0 else np.zeros_like(mean)
             out[k] = mean.astype(np.float32)
         return out
+
+
+class TrimmedMerge:
+    """The robust merge of one fragment's round (``sync.merge = "trimmed"``): RDA whose two
+    averages — of the unit directions φ(Δ_m), coordinate by coordinate, and of the norms
+    ‖Δ_m‖ — are weighted trimmed means (`trimmed_mean`); embeddings take the trimmed mean of
+    Δ. A contribution far from the others in a coordinate (a sign-flipped or scaled δ that the
+    norm guard lets through) is left out of that coordinate. Same interface as
+    `StreamingMerge`; it keeps every Δ_m of the round (fp32).
+
+    Args:
+        shapes: name → shape of the fragment's tensors.
+        is_embedding: which tensors are embeddings.
+        trim: the weight fraction left out at each end (``sync.trim``).
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]],
+                 is_embedding: Callable[[str], bool], trim: float):
+        if not 0.0 < trim < 0.5:
+            raise ValueError(f"sync.trim must be in (0, 0.5), got {trim}")
+        self.shapes = {k: tuple(s) for k, s in shapes.items()}
+        self.trim = trim
+        self._direction = {k: not is_embedding(k) for k in shapes}
+        self.total_weight = 0.0
+        self.count = 0
+        self._weights: list[float] = []
+        self._values: dict[str, list[np.ndarray]] = {k: [] for k in shapes}  # φ(Δ) or Δ
+        self._norms: dict[str, list[float]] = {k: [] for k in shapes}
+
+    def add(self, delta: Mapping[str, quant.QTensor | np.ndarray], weight: float,
+            anchor: Mapping[str, np.ndarray] | None = None, anchor_id: object = None, *,
+            max_norm: float | None = None, clip: bool = False) -> float:
+        """Hold one outer gradient Δ = anchor + δ with weight w; return ‖δ‖ (before any
+        clipping). Raises as `StreamingMerge.add` (nothing is held then)."""
+        del anchor_id  # Δ is formed here: the anchor is used as given
+        _check_add(self.shapes, delta, weight)
+        d32 = {k: (quant.dequantize(kernels.operand(d)) if isinstance(d, quant.QTensor)
+                   else np.asarray(d, np.float32)).reshape(self.shapes[k])
+               for k, d in delta.items()}
+        with np.errstate(over="ignore", invalid="ignore"):
+            dnorm = math.sqrt(math.fsum(float(np.dot(v.ravel().astype(np.float64),
+                                                     v.ravel().astype(np.float64)))
+                                        for v in d32.values()))
+        s = _clip_scale(dnorm, max_norm, clip)
+        values, norms = {}, {}
+        for k, d in d32.items():
+            full = s * d.astype(np.float64)
+            if anchor is not None:
+                full = full + anchor[k]
+            n = float(np.sqrt(np.sum(np.square(full))))
+            if not math.isfinite(n):
+                raise NonFiniteContribution(f"{k}: non-finite values")
+            if self._direction[k]:
+                values[k] = (full / n if n > 0.0 else np.zeros_like(full)).astype(np.float32)
+            else:
+                values[k] = full.astype(np.float32)
+            norms[k] = n
+        for k in self.shapes:
+            self._values[k].append(values[k])
+            self._norms[k].append(norms[k])
+        self._weights.append(weight)
+        self.total_weight += weight
+        self.count += 1
+        return dnorm
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The merged outer gradient (fp32). Raises ValueError if nothing was added."""
+        if self.count == 0:
+            raise ValueError("no contributions to merge")
+        w = np.asarray(self._weights, np.float64)
+        out = {}
+        for k, vals in self._values.items():
+            mean = trimmed_mean(np.stack(vals), w, self.trim)
+            if self._direction[k]:
+                norm = float(np.sqrt(np.sum(np.square(mean))))
+                radius = float(trimmed_mean(np.asarray(self._norms[k])[:, None], w,
+                                            self.trim)[0])
+                mean = mean * (radius / norm) if norm > 0 else np.zeros_like(mean)
+            out[k] = mean.astype(np.float32)
+        return out
+
+
+def make_merge(shapes: Mapping[str, tuple[int, ...]], method: str,
+               is_embedding: Callable[[str], bool], trim: float = 0.25
+               ) -> StreamingMerge | TrimmedMerge:
+    """The accumulator of one round for ``sync.merge`` (rda, mean or trimmed)."""
+    if method == "trimmed":
+        return TrimmedMerge(shapes, is_embedding, trim)
+    return StreamingMerge(shapes, method, is_embedding)

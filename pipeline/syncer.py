@@ -19,7 +19,14 @@ from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
 from pipeline.guard import NormGuard, token_bound
-from pipeline.merge import NonFiniteContribution, NormExceeded, StreamingMerge, token_weight
+from pipeline.merge import (
+    NonFiniteContribution,
+    NormExceeded,
+    StreamingMerge,
+    TrimmedMerge,
+    make_merge,
+    token_weight,
+)
 from pipeline.outer import (
     init_state,
     make_outer_step,
@@ -58,7 +65,7 @@ class RoundRefused(ValueError):
 
 @dataclass
 class _Round:
-    merge: StreamingMerge
+    merge: StreamingMerge | TrimmedMerge
     contributors: dict[str, Contribution] = field(default_factory=dict)
     first_arrival_s: float | None = None
     quorum_reached_s: float | None = None
@@ -118,7 +125,8 @@ class FragmentSyncer:
         self._round = self._new_round()
 
     def _new_round(self) -> _Round:
-        return _Round(merge=StreamingMerge(self.shapes, self.sync_cfg.merge, self.is_embedding))
+        return _Round(merge=make_merge(self.shapes, self.sync_cfg.merge, self.is_embedding,
+                                      self.sync_cfg.trim))
 
     @property
     def sent_values(self) -> dict[str, np.ndarray]:

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.merge import StreamingMerge, anchored_delta, token_weight
+from pipeline.merge import (
+    NormExceeded,
+    StreamingMerge,
+    TrimmedMerge,
+    anchored_delta,
+    make_merge,
+    token_weight,
+    trimmed_mean,
+)
 from pipeline.model import is_embedding
 from pipeline.outer import init_state, outer_optimizer, outer_step
 from pipeline.syncer import Contribution, FragmentSyncer
@@ -182,6 +190,106 @@ def test_merge_errors():
     with pytest.raises(ValueError, match="do not match"):
         m.add({"other": np.ones(2, F32)}, 1.0)
     assert m.count == 0
+
+
+# -- the robust merge (sync.merge = "trimmed") ---------------------------------------------------
+
+
+def test_trimmed_mean_hand_values():
+    x = np.array([[1.0, 10.0], [2.0, -5.0], [3.0, 0.0], [100.0, 1.0]])
+    # equal weights, n = 4, trim 0.25: the lowest and the highest value of each column go
+    np.testing.assert_allclose(trimmed_mean(x, np.ones(4), 0.25), [2.5, 0.5])
+    # n = 2, equal weights: the plain mean; unequal: the heavier one keeps all the kept mass
+    np.testing.assert_allclose(trimmed_mean(x[:2], np.ones(2), 0.25), [1.5, 2.5])
+    np.testing.assert_allclose(trimmed_mean(x[:2], np.array([1.0, 3.0]), 0.25), [2.0, -5.0])
+    # n = 3, trim 0.25: 0.75 of each extreme's weight is cut -> (0.25·1 + 2 + 0.25·3) / 1.5
+    np.testing.assert_allclose(trimmed_mean(x[:3, :1], np.ones(3), 0.25), [2.0])
+    # weights: the heavy value at one end keeps the part of its mass inside the cuts
+    # sorted 1 (w 1), 2 (w 1), 3 (w 6); total 8, cuts at 2 and 6: kept 3 × 4 -> 3.0
+    np.testing.assert_allclose(trimmed_mean(x[:3, :1], np.array([1.0, 1.0, 6.0]), 0.25), [3.0])
+    with pytest.raises(ValueError, match="trim"):
+        trimmed_mean(x, np.ones(4), 0.5)
+
+
+def test_trimmed_mean_order_independent_and_bounded():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(5, 17))
+    w = rng.uniform(0.5, 3.0, size=5)
+    ref = trimmed_mean(x, w, 0.2)
+    for perm in itertools.permutations(range(5)):
+        np.testing.assert_allclose(trimmed_mean(x[list(perm)], w[list(perm)], 0.2), ref,
+                                   rtol=1e-12, atol=1e-12)
+    assert np.all(ref >= x.min(axis=0) - 1e-12) and np.all(ref <= x.max(axis=0) + 1e-12)
+
+
+def test_trimmed_merge_leaves_out_a_sign_flipped_contribution():
+    """Three honest Δ = truth + noise and one poisoned learner's −Δ at an honest norm: the
+    trimmed merge's direction is closer to the truth than RDA's (which sums the flipped
+    direction in with the others), and its radius stays the honest one."""
+    rng = np.random.default_rng(2)
+    shapes = {"h0.mlp.fc": (400,)}
+    truth = rng.normal(size=400)
+    honest = [truth + 0.5 * rng.normal(size=400) for _ in range(4)]
+    flipped = -honest.pop()
+
+    def cos(a, b):
+        return float(np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
+
+    got = {}
+    for method in ("rda", "trimmed"):
+        m = make_merge(shapes, method, is_embedding, 0.25)
+        for d in (*honest, flipped):
+            m.add({"h0.mlp.fc": d.astype(F32)}, 1.0)
+        got[method] = m.result()["h0.mlp.fc"]
+    assert cos(got["trimmed"], truth) > 0.93  # measured 0.939; honest alone 0.961
+    assert cos(got["rda"], truth) < 0.90      # measured 0.893
+    ratio = np.linalg.norm(got["trimmed"]) / np.mean([np.linalg.norm(h) for h in honest])
+    assert 0.9 < ratio < 1.1
+
+
+def test_trimmed_merge_honest_agrees_with_rda_and_checks_like_it():
+    """Identical contributions: nothing to trim, the result is RDA's. Bad input is refused
+    the same way (nothing held)."""
+    shapes = {"wte": (3, 2), "h0.mlp.fc": (5,)}
+    d = {"wte": np.arange(6, dtype=F32).reshape(3, 2), "h0.mlp.fc": np.ones(5, F32)}
+    anchor = {"wte": np.full((3, 2), 0.5, F32), "h0.mlp.fc": np.full(5, -0.25, F32)}
+    out = {}
+    for method in ("rda", "trimmed"):
+        m = make_merge(shapes, method, is_embedding)
+        for w in (1.0, 2.0, 3.0):
+            m.add(d, w, anchor, anchor_id=3)
+        out[method] = m.result()
+    for k in shapes:
+        np.testing.assert_allclose(out["trimmed"][k], out["rda"][k], rtol=1e-6)
+    m = TrimmedMerge(shapes, is_embedding, 0.25)
+    with pytest.raises(NormExceeded):
+        m.add(d, 1.0, max_norm=1.0)
+    with pytest.raises(ValueError, match="weight"):
+        m.add(d, 0.0)
+    with pytest.raises(ValueError, match="do not match"):
+        m.add({"wte": d["wte"]}, 1.0)
+    assert m.count == 0
+    # clipped: held at the bound
+    m.add({"wte": np.zeros((3, 2), F32), "h0.mlp.fc": np.full(5, 10.0, F32)}, 1.0,
+          max_norm=1.0, clip=True)
+    np.testing.assert_allclose(np.linalg.norm(m.result()["h0.mlp.fc"]), 1.0, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"sync\.trim"):
+        TrimmedMerge(shapes, is_embedding, 0.5)
+
+
+def test_trimmed_merge_in_the_syncer_and_replayed_state():
+    """A FragmentSyncer with merge = "trimmed" closes a round of four, one of them
+    sign-flipped, to the honest direction."""
+    sync = dataclasses.replace(SYNC, merge="trimmed", quorum=4, guard=False)
+    s = FragmentSyncer(0, {NAME: np.zeros(4, F32)}, SGD1, sync, is_embedding=is_embedding)
+    honest = np.array([1.0, 1.0, -1.0, 2.0], F32)
+    for i, d in enumerate((honest, honest * 1.1, honest * 0.9, -honest)):
+        ok, why = s.offer(contrib(f"L{i}", 0, 2, d), now_s=0.0)
+        assert ok, why
+    r = s.close(1.0, "quorum")
+    # Θ(1) = −merged; the merged direction is the honest one, the radius the honest norms'
+    np.testing.assert_allclose(-r.theta[NAME] / np.linalg.norm(r.theta[NAME]),
+                               honest / np.linalg.norm(honest), rtol=1e-6)
 
 
 # -- FragmentSyncer: staleness, drops, dedup, persistence -----------------------------------------

@@ -1,6 +1,7 @@
 """Hostile input: the poison guard (token bound, norm bound), rounds whose value would not be
 finite, hostile entries and records against a real syncer process, a syncer started on a
-finished run, and learners that come back from a truncated checkpoint."""
+finished run, and learners that come back from a kill during a checkpoint write and from a
+truncated checkpoint."""
 
 from __future__ import annotations
 
@@ -230,29 +231,55 @@ def test_a_syncer_started_on_a_finished_run_exits_0(tmp_path, redis_url):
     assert len(registry.learner_final_reports(ctx.r, ctx.keys)) == 2
 
 
-def test_a_learner_comes_back_from_a_truncated_checkpoint(tmp_path, redis_url):
+def test_learners_come_back_from_a_kill_during_a_checkpoint_write_and_a_truncated_one(
+        tmp_path, redis_url):
+    """L1 is killed (SIGKILL) halfway through writing its third checkpoint; L0 dies at step
+    30 and its checkpoint is then torn in half. Both restart, resume (L1 from its last
+    complete checkpoint, L0 from the latest global values), contribute, and finish with the
+    same final values."""
     r = connect(redis_url)
     cfg = tiny_config(learners=2, steps=60, sync={"quorum": 1})
     keys = store_run(r, "ckpt", cfg)
     state = tmp_path / "state"
     base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "ckpt",
-            "--state-dir", str(state)]
-    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0", "L0b", "L1")}
-    procs = {"syncer": subprocess.Popen(syncer_cmd(redis_url, "ckpt"), cwd=REPO,
-                                        stdout=logs["syncer"], stderr=subprocess.STDOUT)}
+            "--state-dir", str(state), "--checkpoint-every", "5"]
+    names = ("syncer", "L0", "L0b", "L1", "L1b")
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in names}
+
+    def spawn(name: str, *args: str) -> subprocess.Popen:
+        cmd = syncer_cmd(redis_url, "ckpt") if name == "syncer" else [*base, *args]
+        return subprocess.Popen(cmd, cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT)
+
+    procs = {"syncer": spawn("syncer")}
     try:
-        # L0 dies abruptly at step 30; L1 trains on
-        procs["L0"] = subprocess.Popen([*base, "--id", "L0", "--fail-at-step", "30"], cwd=REPO,
-                                       stdout=logs["L0"], stderr=subprocess.STDOUT)
-        procs["L1"] = subprocess.Popen([*base, "--id", "L1"], cwd=REPO, stdout=logs["L1"],
-                                       stderr=subprocess.STDOUT)
+        procs["L0"] = spawn("L0", "--id", "L0", "--fail-at-step", "30")
+        procs["L1"] = spawn("L1", "--id", "L1", "--stall-in-checkpoint", "3")
+        # L1: a real kill while its checkpoint is half on the disk
+        def stalled() -> list[Path]:  # a temporary untouched for 2 s (a write takes ms)
+            old = []
+            for t in state.glob(".L1.ckpt.npz.*.tmp"):
+                try:
+                    if time.time() - t.stat().st_mtime > 2.0:
+                        old.append(t)
+                except FileNotFoundError:  # a write that finished meanwhile
+                    pass
+            return old
+
+        temps = wait_for(stalled, timeout_s=180, interval_s=0.2, what="the stalled write")
+        ckpt1 = state / "L1.ckpt.npz"
+        with np.load(ckpt1) as z:  # the previous checkpoint is whole
+            whole_step = int(z["step"])
+        assert whole_step > 0
+        procs["L1"].kill()
+        assert procs["L1"].wait(30) == -9 and temps[0].exists()
+        procs["L1b"] = spawn("L1b", "--id", "L1")
+        # L0: dies abruptly, then its checkpoint is torn
         assert procs["L0"].wait(180) == 19
-        ckpt = state / "L0.ckpt.npz"
-        data = ckpt.read_bytes()
-        ckpt.write_bytes(data[: len(data) // 2])  # a torn write, as a full disk leaves it
-        procs["L0b"] = subprocess.Popen([*base, "--id", "L0"], cwd=REPO, stdout=logs["L0b"],
-                                        stderr=subprocess.STDOUT)
-        for name in ("L0b", "L1", "syncer"):
+        ckpt0 = state / "L0.ckpt.npz"
+        data = ckpt0.read_bytes()
+        ckpt0.write_bytes(data[: len(data) // 2])  # a torn write, as a full disk leaves it
+        procs["L0b"] = spawn("L0b", "--id", "L0")
+        for name in ("L0b", "L1b", "syncer"):
             assert procs[name].wait(240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     finally:
         for p in procs.values():
@@ -262,14 +289,23 @@ def test_a_learner_comes_back_from_a_truncated_checkpoint(tmp_path, redis_url):
             fh.close()
     ctx = open_run(redis_url, "ckpt", wait_s=0)
     reports = registry.learner_final_reports(ctx.r, ctx.keys)
-    assert reports["L0"].hashes == reports["L1"].hashes and reports["L0"].steps == 60
-    corrupt = [i for i, e in r.xrange(keys.events) if e[b"kind"] == b"checkpoint-corrupt"]
+    assert reports["L0"].hashes == reports["L1"].hashes
+    assert reports["L0"].steps == reports["L1"].steps == 60
+    events = [(i, e) for i, e in r.xrange(keys.events)]
+    corrupt = [i for i, e in events if e[b"kind"] == b"checkpoint-corrupt"]
     assert len(corrupt) == 1 and (state / "L0.ckpt.npz.corrupt").exists()
-    # the restarted learner contributed after its restart (stream ids are Redis times)
-    after = [i for p in range(len(ctx.fragments))
-             for i, f in r.xrange(ctx.keys.fragment(p).frags, min=corrupt[0])
-             if f[b"learner"] == b"L0"]
-    assert after, "L0 pushed nothing after coming back"
+    resumed = [(i, {k.decode(): v.decode() for k, v in e.items()}) for i, e in events
+               if e[b"kind"] == b"resume" and e.get(b"learner") == b"L1"]
+    assert resumed and resumed[0][1]["source"] == "checkpoint", resumed
+    assert int(resumed[0][1]["step"]) == whole_step, resumed
+    assert not list(state.glob(".L1.ckpt.npz.*.tmp")), "the torn temporary was not removed"
+    # each restarted learner contributed after its restart (stream ids are Redis times)
+    restarts = {"L0": corrupt[0], "L1": resumed[0][0]}
+    for learner, since in restarts.items():
+        after = [i for p in range(len(ctx.fragments))
+                 for i, f in r.xrange(ctx.keys.fragment(p).frags, min=since)
+                 if f[b"learner"] == learner.encode()]
+        assert after, f"{learner} pushed nothing after coming back"
 
 
 def test_a_learner_rejects_bad_merged_values_and_keeps_real_ones(redis_url):

@@ -3,7 +3,10 @@ fragments. Both roles do this on start, and so does every tool that reads a run.
 
 from __future__ import annotations
 
+import glob
+import io
 import os
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,21 +112,41 @@ def read_snapshot(ctx: RunContext, p: int) -> tuple[int, dict[str, np.ndarray]] 
     return header.version, decode_values(tensors)
 
 
-def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,
+                     stall_after_half: bool = False) -> None:
     """Write an .npz durably: a temporary file in the same folder, fsynced, renamed over
     `path`, and the folder fsynced — a crash leaves the old file or the new one, never a
-    truncated one."""
+    truncated one (a crash mid-write leaves a temporary `stale_temps` finds).
+
+    `stall_after_half` is fault injection (the durability test kills the process there): write
+    half the bytes, flush them to the disk and sleep."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
+            if stall_after_half:
+                buf = io.BytesIO()
+                np.savez(buf, **arrays)
+                data = buf.getvalue()
+                fh.write(data[: len(data) // 2])
+                fh.flush()
+                os.fsync(fh.fileno())
+                time.sleep(3600)
+                fh.write(data[len(data) // 2:])
+            else:
+                np.savez(fh, **arrays)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def stale_temps(path: Path) -> list[Path]:
+    """Temporary files `write_npz_atomic` left beside `path` when its process died mid-write."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
 
 
 def enable_compile_cache(path: Path) -> None:

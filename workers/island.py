@@ -51,7 +51,7 @@ from broker.errors import BrokerError
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
 from pipeline.learner import LearnerCore, Push
-from workers.common import RunContext, open_run, read_snapshot, write_npz_atomic
+from workers.common import RunContext, open_run, read_snapshot, stale_temps, write_npz_atomic
 from workers.learner_net import LearnerNet, read_push_log
 
 log = logging.getLogger("diloco.learner")
@@ -159,6 +159,8 @@ class Island:
         self._t_rate, self._tok_rate = 0.0, 0
         self._steps_here = 0
         self._closed = False
+        self._checkpoints = 0
+        self.stall_in_checkpoint = 0  # fault injection (CLI learner only): see _checkpoint
 
     # -- the caller's loop -----------------------------------------------------------------------
 
@@ -410,13 +412,16 @@ class Island:
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
         meta["secs"] = list(self.secs)
-        write_npz_atomic(path, {
+        arrays = {
             "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
             "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
             "opt_leaves": np.asarray(len(leaves)),
             **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
             **{f"theta/{n}": np.asarray(v) for n, v in self._params.items()},
-            **{f"core/{k}": v for k, v in core_arrays.items()}})
+            **{f"core/{k}": v for k, v in core_arrays.items()}}
+        self._checkpoints += 1
+        write_npz_atomic(path, arrays,
+                         stall_after_half=self._checkpoints == self.stall_in_checkpoint)
 
     def _resume(self, opt_state: Any) -> tuple[int, int, Any]:
         """(step, tokens, optimizer state) to continue from after a restart.
@@ -425,6 +430,10 @@ class Island:
         heartbeat in Redis with the given optimizer state; else from scratch.
         """
         path = self._ckpt_path()
+        for tmp in stale_temps(path) if path is not None else ():
+            log.warning("%s: removing %s, left by a checkpoint write that did not finish",
+                        self.id, tmp)
+            tmp.unlink(missing_ok=True)
         if path is not None and path.exists():
             given = opt_state
             try:

@@ -47,6 +47,7 @@ class LearnerConfig:
     sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
     metrics_port: int = 0          # Prometheus text endpoint (0: off)
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
+    stall_in_checkpoint: int = 0   # fault injection: hang halfway through this checkpoint write
     task: str | None = None        # the user task this process may import (--task)
     devices: int = 1               # local devices of this learner's island (0: all)
     fsdp: bool = False             # shard parameters and optimizer state over the island
@@ -71,6 +72,7 @@ class Learner:
                          cfg.checkpoint_every, cfg.sub_endpoints, devices=n_dev),
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
+        self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
 
     def train(self) -> None:
         cfg, run_cfg, island = self.cfg, self.run_cfg, self.island
@@ -149,6 +151,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sub-endpoint", action="append", default=[],
                     help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the user task of the run (imported only when the run names the same)")
     ap.add_argument("--devices", type=int, default=1,
@@ -163,7 +166,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          checkpoint_every=a.checkpoint_every,
                          sub_endpoints=tuple(a.sub_endpoint), metrics_port=a.metrics_port,
                          fail_at_step=a.fail_at_step, task=a.task, devices=a.devices,
-                         fsdp=a.fsdp)
+                         fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint)
 
 
 if __name__ == "__main__":

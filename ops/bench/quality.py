@@ -61,6 +61,24 @@ def poison_variants(base: RunConfig) -> dict[str, RunConfig]:
             runs[f"{label}: guard {'on' if guard else 'off'}"] = o(
                 base, mode="decoupled", **{"sync.guard": guard, "engine.poison_learner": bad,
                                            "engine.poison": kind, "engine.poison_scale": scale})
+    # the robust merge (sync.merge = "trimmed"): its cost on honest learners and its benefit
+    # against the sign flip the guard lets through, at the shipped quorum and at K = 3 (every
+    # round then has contributions to trim), side by side with RDA at the same quorum
+    flip = {"engine.poison_learner": bad, "engine.poison": "signflip",
+            "engine.poison_scale": 1.0}
+    for k in sorted({base.sync.quorum, 3}):
+        q = "" if k == base.sync.quorum else f" K={k}"
+        for merge in ("rda", "trimmed"):
+            if merge == "rda" and not q:
+                continue  # the rows above
+            runs[f"clean: {merge}{q}"] = o(base, mode="decoupled",
+                                           **{"sync.merge": merge, "sync.quorum": k})
+            runs[f"sign-flipped δ: {merge}{q}"] = o(
+                base, mode="decoupled", **{"sync.merge": merge, "sync.quorum": k, **flip})
+    runs["10⁴× norm: trimmed (guard off)"] = o(
+        base, mode="decoupled", **{"sync.merge": "trimmed", "sync.guard": False,
+                                   "engine.poison_learner": bad, "engine.poison": "norm",
+                                   "engine.poison_scale": 1e4})
     return runs
 
 

@@ -26,6 +26,9 @@ key                                   type      contents
 ``ddl:{<run>}:done``                  hash      end-of-run reports (``broker.registry``):
                                                 ``<learner>``, ``final:<learner>``,
                                                 ``syncer:<syncer>``
+``ddl:{<run>}:refused``               hash      ``<learner>:<fragment>`` → JSON of the last
+                                                push of that learner and fragment the syncer
+                                                refused (``broker.records.Refusal``)
 ``ddl:{<run>}:stop``                  string    set to stop every process at once
 ``ddl:{<run>}:finish``                string    set to end training early: learners stop
                                                 stepping and take part in the final flush
@@ -86,6 +89,7 @@ class RunKeys:
         self.syncers = f"{base}:syncers"
         self.events = f"{base}:events"
         self.done = f"{base}:done"
+        self.refused = f"{base}:refused"
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"

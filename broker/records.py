@@ -535,6 +535,17 @@ class LearnerFinal(_JsonRecord):
 
 
 @dataclass(frozen=True)
+class Refusal(_JsonRecord):
+    """The syncer refused a learner's push (`pipeline.contribution.Drop`: stale, the poison
+    guard, …): the push's base version and step, and the reason. A learner waiting for the
+    merged value of that push (the final flush) stops waiting."""
+
+    base_version: int = 0
+    step: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class SyncerFinal(_JsonRecord):
     """A syncer closed the final rounds of its fragments: fragment → final version."""
 

@@ -18,7 +18,14 @@ import redis
 from broker.errors import BrokerError, ConfigMismatch, DecodeError
 from broker.ids import as_text
 from broker.keys import RunKeys
-from broker.records import FinalPushes, Heartbeat, LearnerFinal, SyncerFinal, SyncerInfo
+from broker.records import (
+    FinalPushes,
+    Heartbeat,
+    LearnerFinal,
+    Refusal,
+    SyncerFinal,
+    SyncerInfo,
+)
 
 EVENTS_MAX = 100_000
 log = logging.getLogger("diloco.registry")
@@ -179,6 +186,24 @@ def mark_learner_final(r: redis.Redis, keys: RunKeys, learner: str, rep: Learner
 def mark_syncer_final(r: redis.Redis, keys: RunKeys, syncer: str, rep: SyncerFinal) -> None:
     """A syncer closed the final rounds of its fragments."""
     r.hset(keys.done, _SYNCER + syncer, rep.to_json())
+
+
+def note_refused(r: redis.Redis, keys: RunKeys, learner: str, fragment: int,
+                 rec: Refusal) -> None:
+    """The syncer refused this push of `learner` to `fragment` (the last such per fragment)."""
+    r.hset(keys.refused, f"{learner}:{fragment}", rec.to_json())
+
+
+def refusal(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Refusal | None:
+    """The last refused push of `learner` to `fragment` (None: none, or a malformed record)."""
+    raw = r.hget(keys.refused, f"{learner}:{fragment}")
+    if raw is None:
+        return None
+    try:
+        return Refusal.from_json(raw, f"refusal of {learner!r}")
+    except DecodeError as e:
+        log.warning("ignored: %s", e)
+        return None
 
 
 def _done(r: redis.Redis, keys: RunKeys) -> tuple[dict, dict, dict]:

@@ -8,7 +8,7 @@ the wire encoding is `broker.codec`'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -30,6 +30,19 @@ class Push:
     @property
     def nbytes(self) -> int:
         return sum(quant.payload_nbytes(q) for q in self.payload.values())
+
+
+def poisoned(push: Push, kind: str, scale: float, codec: str, block: int) -> Push:
+    """What a poisoned learner sends instead of `push` (the poison guard's benchmarks and
+    tests, ``pipeline.config.POISONS``): δ × scale ("norm"), tokens × scale ("tokens"), or −δ
+    at its honest norm ("signflip")."""
+    if kind == "tokens":
+        return replace(push, tokens=int(push.tokens * scale))
+    if kind not in ("norm", "signflip"):
+        raise ValueError(f"unknown poison {kind!r}")
+    factor = np.float32(scale if kind == "norm" else -1.0)
+    return replace(push, payload={k: quant.quantize(quant.dequantize(q) * factor, codec, block)
+                                  for k, q in push.payload.items()})
 
 
 class Drop(StrEnum):

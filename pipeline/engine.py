@@ -24,6 +24,7 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import RunConfig
+from pipeline.contribution import poisoned
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.guard import fragment_prior
 from pipeline.learner import LearnerCore, Push
@@ -254,24 +255,15 @@ class Engine:
         lr.bytes_sent += nbytes
         eng = self.cfg.engine
         arrive = t_s + eng.latency_s + nbytes * 8 / eng.bandwidth_bps
-        payload, tokens = dict(push.payload), push.tokens
         if lr.idx == eng.poison_learner:
-            payload, tokens = self._poisoned(payload, tokens)
+            push = poisoned(push, eng.poison, eng.poison_scale, self.sync.codec_up,
+                            self.sync.quant_block)
             self.poisoned += 1
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
-                         tokens, payload,
+                         push.tokens, dict(push.payload),
                          entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
         self._work_s[c.entry_id] = push.steps * eng.step_s / lr.speed
         self._push_event(arrive, "arrive", c)
-
-    def _poisoned(self, payload: dict, tokens: int) -> tuple[dict, int]:
-        """What the poisoned learner sends instead (``engine.poison``)."""
-        eng, sync = self.cfg.engine, self.sync
-        if eng.poison == "tokens":
-            return payload, int(tokens * eng.poison_scale)
-        factor = eng.poison_scale if eng.poison == "norm" else -1.0
-        return {k: quant.quantize(quant.dequantize(q) * np.float32(factor), sync.codec_up,
-                                  sync.quant_block) for k, q in payload.items()}, tokens
 
     def _on_arrive(self, c: Contribution) -> None:
         s = self.syncers[c.fragment]

@@ -227,6 +227,17 @@ class LearnerCore:
         self.pending = [None if v is None else (int(v), group("pending", p))
                         for p, v in enumerate(meta["pending"])]
 
+    def adopt_base(self, p: int, params: Params) -> Params:
+        """End of run: fragment p's last push was never merged (refused) and no later version
+        will come: take the base value (the final global one), dropping the progress since."""
+        params = dict(params)
+        for n in self.fragments[p]:
+            params[n] = jnp.asarray(self.base[p][n], jnp.float32)
+        self.inflight[p] = None
+        self.steps[p] = 0
+        self.tokens[p] = 0
+        return params
+
     def forget_push(self, p: int) -> None:
         """Treat fragment p's contribution in flight as never sent (its entry is not in Redis):
         its progress stays counted and goes out with the next push."""

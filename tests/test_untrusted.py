@@ -308,6 +308,51 @@ def test_learners_come_back_from_a_kill_during_a_checkpoint_write_and_a_truncate
         assert after, f"{learner} pushed nothing after coming back"
 
 
+def test_a_poisoned_learner_is_refused_throughout_and_the_run_still_finishes(tmp_path,
+                                                                              redis_url):
+    """Real processes: L1 sends every push with 10⁴× its norm and is slower than L0, so its
+    last push is refused after L0 has finished and no round will merge anything for it. The
+    syncer records each refusal for the learner; L1 stops waiting for that push's merged value,
+    flushes and adopts the final values. The ledger accounts for every poisoned push as
+    refused by the guard, and for no honest one."""
+    from ops.chaos.ledger import account
+
+    r = connect(redis_url)
+    cfg = tiny_config(learners=2, steps=60, sync={"quorum": 1})
+    keys = store_run(r, "poison", cfg)
+    state = tmp_path / "state"
+    base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run",
+            "poison", "--state-dir", str(state)]
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0", "L1")}
+    cmds = {"syncer": syncer_cmd(redis_url, "poison"), "L0": [*base, "--id", "L0"],
+            "L1": [*base, "--id", "L1", "--poison", "norm", "--delay-s", "0.1"]}
+    t0 = time.time()
+    procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
+             for n, c in cmds.items()}
+    try:
+        for name in ("L0", "L1", "syncer"):
+            assert procs[name].wait(200) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for fh in logs.values():
+            fh.close()
+    ctx = open_run(redis_url, "poison", wait_s=0)
+    reports = registry.learner_final_reports(ctx.r, ctx.keys)
+    assert reports["L0"].hashes == reports["L1"].hashes
+    rep = account(r, "poison", len(ctx.fragments), state, learners=2,
+                  frag_weights=[0.5, 0.5], t_start=t0, t_end=time.time(), restarts=[],
+                  window_s=5.0)
+    by = rep["by_learner"]
+    assert rep["lost"] == 0
+    assert by["L1"]["acked"] > 0 and by["L1"]["dropped_by_guard"] == by["L1"]["acked"], by
+    assert by["L1"]["merged"] == 0 and by["L0"]["dropped_by_guard"] == 0, by
+    assert by["L0"]["merged"] == by["L0"]["acked"], by
+    refused = registry.refusal(r, keys, "L1", 0)
+    assert refused is not None and "norm" in refused.reason
+
+
 def test_a_learner_rejects_bad_merged_values_and_keeps_real_ones(redis_url):
     import zmq
 

@@ -50,6 +50,7 @@ from broker import codec, registry
 from broker.errors import BrokerError
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
+from pipeline.contribution import poisoned
 from pipeline.learner import LearnerCore, Push
 from workers.common import RunContext, open_run, read_snapshot, stale_temps, write_npz_atomic
 from workers.learner_net import LearnerNet, read_push_log
@@ -161,6 +162,7 @@ class Island:
         self._closed = False
         self._checkpoints = 0
         self.stall_in_checkpoint = 0  # fault injection (CLI learner only): see _checkpoint
+        self.poison: tuple[str, float] | None = None  # fault injection: (kind, scale), _send
 
     # -- the caller's loop -----------------------------------------------------------------------
 
@@ -372,6 +374,8 @@ class Island:
             return n
 
     def _send(self, push: Push, final: bool = False) -> None:
+        if self.poison is not None:  # the poison guard's tests and benchmarks
+            push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
                                        seconds=self.secs[push.fragment], final=final)
         self.net.push(push.fragment, codec.entry_fields(meta, push.payload))
@@ -545,7 +549,9 @@ class Island:
                     raise BrokerError(f"{self.id}: no merged value arrived for the final flush")
                 if not self._drain_inbox(timeout_s=1.0):
                     for p, f in enumerate(self.core.inflight):
-                        if f is not None:
+                        if f is not None and self.core.pending[p] is None:
+                            self._forget_if_refused(p, f)
+                        if self.core.inflight[p] is not None:
                             self.net.request_snapshot(p)
             flat = self.core.apply_due(10**12, flat)
             final = self.core.push_all(self.step, flat)
@@ -565,7 +571,12 @@ class Island:
                         raise BrokerError(f"{self.id}: final value of fragment {p} not received")
                     if not self._drain_inbox(timeout_s=0.5):
                         self.net.request_snapshot(p)
-            flat = self._place(self.core.apply_due(10**12, flat))
+            flat = self.core.apply_due(10**12, flat)
+            for p, v in versions.items():
+                if self.core.inflight[p] is not None and self.core.base_version[p] >= v:
+                    # the final push was refused: every learner ends on the final value
+                    flat = self.core.adopt_base(p, flat)
+            flat = self._place(flat)
             values = {k: np.asarray(v) for k, v in flat.items()}
             hashes = {str(p): quant.tensors_hash({n: values[n] for n in names})
                       for p, names in enumerate(self.ctx.fragments)}
@@ -580,6 +591,15 @@ class Island:
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
         return report
+
+    def _forget_if_refused(self, p: int, f: Any) -> None:
+        """The syncer refused the push in flight for fragment p (no merged value will come
+        for it): its progress stays and goes out with the final push."""
+        rec = registry.refusal(self.ctx.r, self.ctx.keys, self.id, p)
+        if rec is not None and (rec.base_version, rec.step) == (f.base_version, f.step):
+            log.warning("%s: the syncer refused the push of fragment %d at step %d (%s)",
+                        self.id, p, f.step, rec.reason)
+            self.core.forget_push(p)
 
     def _wait_final_versions(self, deadline: float) -> dict[int, int]:
         """Fragment → final version, once the syncers have closed every final round."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import zmq
 
+from pipeline.config import POISONS
 from pipeline.mesh import Placement
 from pipeline.train import make_step
 from workers.common import RunContext, apply_environment, enable_compile_cache, open_run
@@ -48,6 +49,8 @@ class LearnerConfig:
     metrics_port: int = 0          # Prometheus text endpoint (0: off)
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
     stall_in_checkpoint: int = 0   # fault injection: hang halfway through this checkpoint write
+    poison: str = ""               # fault injection: send poisoned pushes (POISONS)
+    poison_scale: float = 1e4
     task: str | None = None        # the user task this process may import (--task)
     devices: int = 1               # local devices of this learner's island (0: all)
     fsdp: bool = False             # shard parameters and optimizer state over the island
@@ -73,6 +76,8 @@ class Learner:
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
         self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
+        if cfg.poison:
+            self.island.poison = (cfg.poison, cfg.poison_scale)
 
     def train(self) -> None:
         cfg, run_cfg, island = self.cfg, self.run_cfg, self.island
@@ -152,6 +157,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--poison", default="", choices=("", *POISONS), help=argparse.SUPPRESS)
+    ap.add_argument("--poison-scale", type=float, default=1e4, help=argparse.SUPPRESS)
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the user task of the run (imported only when the run names the same)")
     ap.add_argument("--devices", type=int, default=1,
@@ -166,7 +173,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          checkpoint_every=a.checkpoint_every,
                          sub_endpoints=tuple(a.sub_endpoint), metrics_port=a.metrics_port,
                          fail_at_step=a.fail_at_step, task=a.task, devices=a.devices,
-                         fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint)
+                         fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
+                         poison=a.poison, poison_scale=a.poison_scale)
 
 
 if __name__ == "__main__":

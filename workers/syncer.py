@@ -28,7 +28,7 @@ from broker.codec import EntryMeta
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import Publisher
-from broker.records import Drop, Included, RoundRecord, SyncerFinal, SyncerInfo
+from broker.records import Drop, Included, Refusal, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import quant
@@ -141,6 +141,7 @@ class Syncer:
         self._hasher: ThreadPoolExecutor | None = None
         # learner → the most tokens one of its steps may claim (its heartbeat's declaration)
         self.declared: dict[str, int] = {}
+        self.known: frozenset[str] = frozenset()  # learners with a heartbeat record
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -310,6 +311,9 @@ class Syncer:
             if reason.kind is Drop.DUPLICATE:
                 f.core.note_duplicate(e.entry_id)
                 self.stats.duplicated += 1
+            else:  # the learner may be waiting for this push's merged value: tell it
+                self._note_refused(meta.learner, e.fragment, meta.base_version, meta.step,
+                                   reason)
             f.ack_extra.append(e.entry_id)
             self.stats.dropped += 1
 
@@ -355,6 +359,7 @@ class Syncer:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
             self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
             recs = registry.learner_records(self.ctx.r, self.ctx.keys)
+            self.known = frozenset(recs)
             self.declared = {n: rec.max_tokens_per_step for n, rec in recs.items()
                              if rec.max_tokens_per_step > 0}
             times = [recs[n].step_s for n in self.live if n in recs]
@@ -391,9 +396,21 @@ class Syncer:
             registry.event(self.ctx.r, self.ctx.keys, "round-refused", fragment=p,
                            version=f.core.version, entries=list(f.entries), reason=str(e))
             self.stats.dropped += len(f.entries)
+            for meta in f.entries.values():
+                self._note_refused(meta.learner, p, meta.base_version, meta.step, str(e))
             f.ack_extra.extend(f.entries)
             f.entries = {}
             self._commit_drops_only(p)
+
+    def _note_refused(self, learner: str, p: int, base_version: int, step: int,
+                      reason: str) -> None:
+        if learner not in self.known:  # only registered learners wait for their pushes
+            return
+        try:
+            registry.note_refused(self.ctx.r, self.ctx.keys, learner, p,
+                                  Refusal(base_version, step, str(reason)[:500]))
+        except redis.RedisError as err:  # the drop itself is recorded with the next commit
+            log.warning("could not record the refusal of %s's push: %s", learner, err)
 
     def _commit_drops_only(self, p: int) -> None:
         """Acknowledge refused entries when no round is open (their drop reasons are logged)."""

@@ -1,4 +1,5 @@
-"""`diloco bench s1|s2`: goodput under failures and stragglers, side by side in one run each.
+"""`diloco bench s1|s2|poison`: goodput under failures and stragglers, and the poison guard
+on real processes, side by side in one run each.
 
 * s1 — failures: M=4, a random learner killed every `--kill-every-s` seconds on average
   (Poisson, seeded), back after 5 s; `decoupled` vs `sync-diloco`; goodput, loss at equal wall
@@ -6,6 +7,8 @@
 * s2 — heterogeneous hardware: learner speeds 1, 1, 1, 1/3 (the slow one made slow by an
   injected per-step delay); `decoupled` (K=1 + grace) vs K=1 without grace vs `sync-diloco`;
   the wall time at which each reaches sync-diloco's final loss.
+* poison — one learner of four poisoned (10⁴× norm, 10⁴× tokens), guard on vs off, beside the
+  clean run: final loss at equal steps and the ledger of the poisoned pushes.
 
 Learners share 2 cores here, so each inner step is paced to a fixed wall time (`--pace-s`):
 a dead or blocked learner would otherwise hand its CPU to the others and flatter every ratio.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,11 +51,13 @@ def _quiet(_: str) -> None:
 
 
 def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
-             corpus, delays=None, progress: Progress = _quiet, live: Live | None = None) -> dict:
-    run = name.replace(" ", "-").replace("/", "-").replace("+", "p")
+             corpus, delays=None, progress: Progress = _quiet, live: Live | None = None,
+             learner_args: dict[str, list[str]] | None = None) -> dict:
+    run = re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("+", "p")).strip("-")
     t0 = time.monotonic()
     rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
-                    delays_s=delays or {}, eval_every_s=10.0, corpus=corpus, progress=live)
+                    delays_s=delays or {}, eval_every_s=10.0, corpus=corpus, progress=live,
+                    learner_args=learner_args)
     rep["bench_wall_s"] = time.monotonic() - t0
     rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
     progress(f"{name:24s} goodput {rep['goodput']:.3f} availability "
@@ -131,6 +137,52 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
     return doc
 
 
+POISON_VARIANTS = ("clean", "clean (again)", "10⁴× norm: guard on", "10⁴× norm: guard off",
+                   "10⁴× tokens: guard on", "10⁴× tokens: guard off")
+
+
+def poison(out: Path, names: list[str] | None = None, *, steps: int = 1000, pace_s: float = 0.05,
+           progress: Progress = _quiet, live: Live | None = None) -> dict:
+    """The poison guard on real processes: M=4 learners of `steps` inner steps each, no other
+    fault; learner L3 sends δ × 10⁴ ("norm") or claims 10⁴ × its tokens ("tokens"), with the
+    guard on and off, side by side with the clean run (twice: its run-to-run spread). The
+    chaos ledger says, per learner, how many acknowledged pushes were merged and how many the
+    guard refused. Writes ``poison.json``; returns the document."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = cfgmod.override(base_config(), steps=steps)
+    corpus = run_corpus(base)
+    runs = {}
+    for name in names or POISON_VARIANTS:
+        if name not in POISON_VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; known: {', '.join(POISON_VARIANTS)}")
+        args, cfg = None, base
+        if not name.startswith("clean"):
+            kind = "norm" if "norm" in name else "tokens"
+            args = {"L3": ["--poison", kind, "--poison-scale", "1e4"]}
+            cfg = cfgmod.override(base, **{"sync.guard": name.endswith("on")})
+        # the run ends when the learners finish their steps: the duration only bounds it
+        runs[name] = _variant(cfg, out, name, [], 3600.0, pace_s, corpus, progress=progress,
+                              live=live, learner_args=args)
+    clean = runs.get("clean", {}).get("final_eval_loss")
+    summary = {}
+    for name, rep in runs.items():
+        by = rep.get("by_learner", {})
+        bad = by.get("L3", {}) if not name.startswith("clean") else {}
+        loss = rep["final_eval_loss"]
+        summary[name] = {
+            "final_eval_loss": loss,
+            "vs_clean": (loss / clean - 1) if clean and loss is not None else None,
+            "poisoned_pushes_acked": bad.get("acked"),
+            "poisoned_refused_by_guard": bad.get("dropped_by_guard"),
+            "poisoned_merged": bad.get("merged"),
+            "honest_refused_by_guard": sum(v["dropped_by_guard"] for k, v in by.items()
+                                           if k != "L3" or name.startswith("clean")),
+            "lost": rep["lost"], "rounds": rep["rounds"], "goodput": rep["goodput"],
+            "wall_s": rep["bench_wall_s"]}
+    return _save(out, "poison", {"runs": runs}, summary, {"steps": steps, "pace_s": pace_s},
+                 base)
+
+
 S2_VARIANTS = ("decoupled K=1 + grace", "K=1 no grace", "sync-diloco",
                "K=1 + grace, full steps", "K=1 no grace, full steps")
 
@@ -191,7 +243,8 @@ def _save(out: Path, name: str, runs: dict, summary: dict, params: dict,
 
 
 REPORT_KEYS = ("goodput", "availability", "final_eval_loss", "tail_mean_eval_loss", "rounds",
-               "pushes_acked", "merged", "dropped_stale", "dead_lettered", "duplicated", "lost",
+               "pushes_acked", "merged", "dropped_stale", "dropped_by_guard", "dead_lettered",
+               "duplicated", "lost",
                "rejoin_s_p50", "rejoin_s_max", "time_to_sync_final_loss_s")
 
 

@@ -46,11 +46,13 @@ class ChaosRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, run: str, *, seed: int = 0,
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
-                 standby: bool = False, eval_every_s: float = 0.0):
+                 standby: bool = False, eval_every_s: float = 0.0,
+                 learner_args: dict[str, list[str]] | None = None):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
         self.pace_s = pace_s
         self.delays_s = delays_s or {}
+        self.learner_args = learner_args or {}  # extra command-line arguments per learner
         self.standby = standby
         self.eval_every_s = eval_every_s
         self.keys = RunKeys(run)
@@ -110,7 +112,7 @@ class ChaosRun:
                            "--delay-s", str(self.delays_s.get(name, 0.0)), cfg=self.cfg)
             for zp in zps:
                 cmd += ["--sub-endpoint", f"tcp://{zp.address}"]
-            self.sup.spawn(name, cmd)
+            self.sup.spawn(name, cmd + list(self.learner_args.get(name, ())))
         self.t_start = time.time()
         self.t0 = time.monotonic()
 

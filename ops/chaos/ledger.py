@@ -133,6 +133,13 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
         later = [t for t in contributed.get(learner, []) if t >= t_r]
         rejoin.append(min(later) - t_r if later else float("inf"))
     finite = [x for x in rejoin if np.isfinite(x)]
+    by_learner: dict[str, dict[str, int]] = {}
+    for name, group in (("acked", acked), ("merged", merged),
+                        ("dropped_by_guard", guard - merged), ("lost", set(lost))):
+        for k in group:
+            row = by_learner.setdefault(k[0], {"acked": 0, "merged": 0, "dropped_by_guard": 0,
+                                               "lost": 0})
+            row[name] += 1
     return {
         "pushes_attempted": len(attempted | acked),
         "pushes_acked": len(acked),
@@ -153,4 +160,5 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
         "rejoin_s_p50": float(np.median(finite)) if finite else None,
         "rejoin_s_max": float(max(finite)) if finite else None,
         "wall_s": wall,
+        "by_learner": dict(sorted(by_learner.items())),
     }

@@ -1,4 +1,4 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2|poison`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -61,6 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="comma-separated subset of: " + "; ".join(
                                resilience.S2_VARIANTS))
         b.set_defaults(func=_resilience)
+    b = bsub.add_parser("poison", help="the poison guard on real processes: one learner of "
+                        "four poisoned, guard on vs off, beside the clean run")
+    b.add_argument("--steps", type=int, default=1000, help="inner steps per learner")
+    b.add_argument("--pace-s", type=float, default=0.05)
+    b.add_argument("--variants", default=",".join(resilience.POISON_VARIANTS),
+                   help="comma-separated subset of: " + ", ".join(resilience.POISON_VARIANTS))
+    b.add_argument("--out", default="runs/bench-poison")
+    b.add_argument("--quiet", action="store_true", help="no live progress")
+    b.set_defaults(func=_poison)
 
 
 def _progress(line: str) -> None:
@@ -89,6 +98,19 @@ def _pipeline(fn, args: argparse.Namespace) -> int:
     result["machine"] = pipeline.machine()
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def _poison(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    view = LiveView(mode="quiet" if args.quiet else "auto", title="bench poison")
+    try:
+        with view:
+            doc = resilience.poison(Path(args.out), names, steps=args.steps, pace_s=args.pace_s,
+                                    progress=_progress, live=chaos_view(view))
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    print(json.dumps(doc["summary"], indent=1))
     return 0
 
 

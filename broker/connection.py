@@ -13,6 +13,9 @@ hiredis).
 
 from __future__ import annotations
 
+import os
+import urllib.parse
+
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
@@ -24,6 +27,44 @@ try:  # redis-py internals (stable across 5.x–8.x); without them, its default 
     _PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 except ImportError:  # pragma: no cover
     _PACKER = None
+
+
+URL_ENV = "DILOCO_REDIS_URL"  # where every command looks for the Redis URL last
+
+
+def redact(url: str) -> str:
+    """`url` without its secrets, for logs, output files and messages: the password of
+    ``user:password@`` becomes ``***`` (a lone ``secret@``, which may be a password, too) and so
+    does a ``password=`` query parameter. A string that cannot be parsed as a URL becomes
+    ``***`` if it holds an ``@`` (it may hold a secret), else it is returned unchanged."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, colon, _ = userinfo.partition(":")
+            netloc = f"{user}:***@{hostport}" if colon and user else f"***@{hostport}"
+        query = parts.query
+        if query:
+            query = urllib.parse.urlencode(
+                [(k, "***" if "pass" in k.lower() else v)
+                 for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)],
+                safe="*")
+        if netloc == parts.netloc and query == parts.query:
+            return "***" if "@" in url and not parts.netloc else url
+        return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else ""))
+    except ValueError:
+        return "***" if "@" in url else url
+
+
+def has_secret(url: str) -> bool:
+    """True when `url` carries a password (it must not go on a command line)."""
+    return redact(url) != url
+
+
+def url_from_env() -> str | None:
+    """The Redis URL from the environment (``DILOCO_REDIS_URL``), if set."""
+    return os.environ.get(URL_ENV) or None
 
 
 def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,

@@ -27,7 +27,7 @@ DATA_FORMATS = ("auto", "text", "jsonl", "u16", "u32")  # pipeline/data.py
 _OPTION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _MAX_OPTIONS = 256
 CODECS = ("fp32", "bf16", "int8", "int4")
-MERGES = ("rda", "mean", "trimmed")
+MERGES = ("rda", "mean", "trimmed", "robust")
 APPLIES = ("overwrite", "rebase")
 # How much of an outer step a round takes (see FragmentSyncer.round_share).
 ROUND_STEPS = ("share", "full")
@@ -134,9 +134,9 @@ class SyncConfig:
     # √(fragment size): an AdamW step moves each coordinate by a few lr at most. 0: no bound
     # before the history (set it for tasks whose inner optimizer is not AdamW-like).
     guard_prior: float = field(default=10.0, metadata={**_rng(0.0, 1e9), "added": True})
-    # merge = "trimmed" (pipeline/merge.py TrimmedMerge): the weight fraction of a round's
-    # contributions left out at each end of every coordinate. Trimming needs contributions to
-    # trim: with untrusted learners, set quorum ≥ 3.
+    # merge = "trimmed" | "robust" (pipeline/merge.py TrimmedMerge): the weight fraction of a
+    # round's contributions left out at each end of every coordinate. Both need contributions
+    # to compare: with untrusted learners, set quorum ≥ 3.
     trim: float = field(default=0.25, metadata={**_rng(0.01, 0.49), "added": True})
 
     @property

@@ -100,6 +100,7 @@ class Engine:
         self.diverged = ""  # why training stopped early: a learner's values stopped being finite
         self.dropped: dict[str, int] = {}  # refusals by kind (the guard's: tokens, norm)
         self.clipped = 0
+        self.outvoted = 0  # contributions merge = "robust" left out
         self.round_sizes: dict[int, int] = {}  # contributions merged → rounds
         self.poisoned = 0  # pushes the poisoned learner sent (engine.poison_learner)
         self._seq = itertools.count()
@@ -300,6 +301,7 @@ class Engine:
         for _, why in result.dropped:
             self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
         self.clipped += len(result.clipped)
+        self.outvoted += len(result.outvoted)
         n = len(result.included)
         self.round_sizes[n] = self.round_sizes.get(n, 0) + 1
         s.record_sync_time(self.cfg.engine.sync_s)
@@ -409,6 +411,7 @@ class Engine:
             "dropped_by_kind": dict(sorted(self.dropped.items())),
             "guard_dropped": sum(self.dropped.get(k, 0) for k in ("tokens", "norm")),
             "guard_clipped": self.clipped,
+            "outvoted": self.outvoted,
             "poisoned_pushes": self.poisoned,
             "diverged": self.diverged or None,
             "wall_s": float(wall_s),

@@ -9,10 +9,12 @@ radial-directional averaging, RDA = (Σ w‖Δ‖ / Σ w) · φ(Σ w φ(Δ) / Σ
 embeddings (sparse row updates) by the weighted mean. The accumulator keeps running sums only, so
 memory stays O(fragment size) however many learners contribute.
 
-For runs with learners that are not trusted, ``sync.merge = "trimmed"`` (`TrimmedMerge`) is the
+For runs with learners that are not trusted, ``sync.merge = "trimmed"`` (`TrimmedMerge`) is a
 robust variant of RDA: the directions are averaged by a coordinate-wise *weighted trimmed mean*
 (the weight mass ``sync.trim`` at each end of every coordinate is left out) and so are the
-norms; embeddings by the trimmed mean of Δ. It holds every contribution of the round (memory
+norms; embeddings by the trimmed mean of Δ. ``sync.merge = "robust"`` first leaves out the
+contributions that point away from the consensus of the others (a negative leave-one-out
+cosine), then merges the rest the same way. Both hold every contribution of the round (memory
 O(contributions × fragment size)).
 """
 
@@ -217,11 +219,13 @@ class TrimmedMerge:
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]],
-                 is_embedding: Callable[[str], bool], trim: float):
+                 is_embedding: Callable[[str], bool], trim: float, consistency: bool = False):
         if not 0.0 < trim < 0.5:
             raise ValueError(f"sync.trim must be in (0, 0.5), got {trim}")
         self.shapes = {k: tuple(s) for k, s in shapes.items()}
         self.trim = trim
+        self.consistency = consistency
+        self.excluded: list[int] = []  # contributions (in add order) the filter left out
         self._direction = {k: not is_embedding(k) for k in shapes}
         self.total_weight = 0.0
         self.count = 0
@@ -265,17 +269,42 @@ class TrimmedMerge:
         self.count += 1
         return dnorm
 
+    def _inconsistent(self, w: np.ndarray) -> list[int]:
+        """The contributions whose Δ points away from the weighted sum of the others' unit
+        Δ (a negative leave-one-out cosine, over the whole fragment) — left out when the rest
+        hold more than half of the round's weight. A sign-flipped δ opposes the honest
+        consensus; an honest one agrees with it unless the noise swamps the signal."""
+        n = self.count
+        if n < 3:
+            return []
+        gram = np.zeros((n, n))
+        for k, vals in self._values.items():
+            x = np.stack(vals).reshape(n, -1).astype(np.float64)
+            if self._direction[k]:
+                x = x * np.asarray(self._norms[k])[:, None]  # back to Δ from φ(Δ)
+            gram += x @ x.T
+        d = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
+        cos = gram / d[:, None] / d[None, :]
+        score = cos @ w - w  # Σ_{j≠i} w_j cos(Δ_i, Δ_j)
+        out = [i for i in range(n) if score[i] < 0]
+        if not out or w[[i for i in range(n) if i not in out]].sum() <= 0.5 * w.sum():
+            return []
+        return out
+
     def result(self) -> dict[str, np.ndarray]:
         """The merged outer gradient (fp32). Raises ValueError if nothing was added."""
         if self.count == 0:
             raise ValueError("no contributions to merge")
         w = np.asarray(self._weights, np.float64)
+        self.excluded = self._inconsistent(w) if self.consistency else []
+        keep = [i for i in range(self.count) if i not in self.excluded]
+        w = w[keep]
         out = {}
         for k, vals in self._values.items():
-            mean = trimmed_mean(np.stack(vals), w, self.trim)
+            mean = trimmed_mean(np.stack([vals[i] for i in keep]), w, self.trim)
             if self._direction[k]:
                 norm = float(np.sqrt(np.sum(np.square(mean))))
-                radius = float(trimmed_mean(np.asarray(self._norms[k])[:, None], w,
+                radius = float(trimmed_mean(np.asarray(self._norms[k])[keep][:, None], w,
                                             self.trim)[0])
                 mean = mean * (radius / norm) if norm > 0 else np.zeros_like(mean)
             out[k] = mean.astype(np.float32)
@@ -285,7 +314,7 @@ class TrimmedMerge:
 def make_merge(shapes: Mapping[str, tuple[int, ...]], method: str,
                is_embedding: Callable[[str], bool], trim: float = 0.25
                ) -> StreamingMerge | TrimmedMerge:
-    """The accumulator of one round for ``sync.merge`` (rda, mean or trimmed)."""
-    if method == "trimmed":
-        return TrimmedMerge(shapes, is_embedding, trim)
+    """The accumulator of one round for ``sync.merge`` (rda, mean, trimmed or robust)."""
+    if method in ("trimmed", "robust"):
+        return TrimmedMerge(shapes, is_embedding, trim, consistency=method == "robust")
     return StreamingMerge(shapes, method, is_embedding)

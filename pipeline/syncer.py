@@ -56,6 +56,8 @@ class RoundResult:
     steps: int
     scale: float = 1.0  # the share of an outer step taken (FragmentSyncer.round_share)
     clipped: list[str] = field(default_factory=list)  # entries the guard scaled down
+    # entries merge = "robust" left out of the merge (they opposed the others' consensus)
+    outvoted: list[str] = field(default_factory=list)
 
 
 class RoundRefused(ValueError):
@@ -304,7 +306,8 @@ class FragmentSyncer:
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
             closed_s=now_s, tokens=r.tokens,
-            steps=r.steps, scale=share, clipped=list(r.clipped))
+            steps=r.steps, scale=share, clipped=list(r.clipped),
+            outvoted=[r.included[i][0] for i in getattr(r.merge, "excluded", ())])
         self._round = self._new_round()
         return result
 

@@ -247,6 +247,58 @@ def test_trimmed_merge_leaves_out_a_sign_flipped_contribution():
     assert 0.9 < ratio < 1.1
 
 
+def test_robust_merge_leaves_out_the_contribution_that_opposes_the_others():
+    rng = np.random.default_rng(3)
+    shapes = {"h0.mlp.fc": (40, 50), "wte": (10, 4)}
+    truth = {k: rng.normal(size=s) for k, s in shapes.items()}
+
+    def honest():
+        return {k: (truth[k] + 2.0 * rng.normal(size=s)).astype(F32) for k, s in shapes.items()}
+
+    good = [honest() for _ in range(3)]
+    flipped = {k: -v for k, v in honest().items()}
+    m = TrimmedMerge(shapes, is_embedding, 0.25, consistency=True)
+    for d in (good[0], flipped, good[1], good[2]):
+        m.add(d, 1.0)
+    got = m.result()
+    assert m.excluded == [1]
+    ref = TrimmedMerge(shapes, is_embedding, 0.25)
+    for d in good:
+        ref.add(d, 1.0)
+    for k, v in ref.result().items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6)
+    # honest rounds: nobody is left out; two contributions: nothing to compare, nobody either
+    m = TrimmedMerge(shapes, is_embedding, 0.25, consistency=True)
+    for d in [*good, honest()]:
+        m.add(d, 1.0)
+    m.result()
+    assert m.excluded == []
+    m = TrimmedMerge(shapes, is_embedding, 0.25, consistency=True)
+    m.add(good[0], 1.0)
+    m.add(flipped, 1.0)
+    m.result()
+    assert m.excluded == []
+    # the rest must hold more than half of the weight: a heavy dissenter is not left out
+    m = TrimmedMerge(shapes, is_embedding, 0.25, consistency=True)
+    for d, w in ((good[0], 1.0), (good[1], 1.0), (flipped, 2.5)):
+        m.add(d, w)
+    m.result()
+    assert m.excluded == []
+
+
+def test_the_syncer_reports_what_the_robust_merge_left_out():
+    sync = dataclasses.replace(SYNC, merge="robust", quorum=4, guard=False)
+    s = FragmentSyncer(0, {NAME: np.zeros(4, F32)}, SGD1, sync, is_embedding=is_embedding)
+    honest = np.array([1.0, 1.0, -1.0, 2.0], F32)
+    for i, d in enumerate((honest, honest * 1.1, -honest, honest * 0.9)):
+        ok, why = s.offer(contrib(f"L{i}", 0, 2, d), now_s=0.0)
+        assert ok, why
+    r = s.close(1.0, "quorum")
+    assert r.outvoted == ["L2-0-2"]
+    np.testing.assert_allclose(-r.theta[NAME] / np.linalg.norm(r.theta[NAME]),
+                               honest / np.linalg.norm(honest), rtol=1e-6)
+
+
 def test_trimmed_merge_honest_agrees_with_rda_and_checks_like_it():
     """Identical contributions: nothing to trim, the result is RDA's. Bad input is refused
     the same way (nothing held)."""

@@ -3,6 +3,7 @@ fragments. Both roles do this on start, and so does every tool that reads a run.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import io
 import os
@@ -16,13 +17,40 @@ import redis
 
 from broker import codec, registry
 from broker.archive import fsync_dir
-from broker.connection import connect
+from broker.connection import URL_ENV, connect, url_from_env
 from broker.keys import RunKeys
 from pipeline import config as cfgmod
 from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Task, TaskNotNamed, param_spec, spec_task, task_of
+
+
+class _UrlFile(argparse.Action):
+    """``--redis-url-file FILE``: the URL is the file's first line (kept off the process
+    list, where every user of the host can read a command line)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        try:
+            lines = Path(value).read_text(encoding="utf-8").strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"{option_string}: cannot read {value}: {e.strerror or e}")
+        if not lines or not lines[0].strip():
+            parser.error(f"{option_string}: {value} is empty")
+        setattr(namespace, self.dest, lines[0].strip())
+
+
+def add_redis_args(ap: argparse.ArgumentParser, *, required: bool = True,
+                   help: str = "Redis of the run") -> None:
+    """``--redis-url URL`` or ``--redis-url-file FILE``, else ``$DILOCO_REDIS_URL``: put a URL
+    with a password in the file or the variable, not on the command line."""
+    env = url_from_env()
+    g = ap.add_mutually_exclusive_group(required=required and env is None)
+    g.add_argument("--redis-url", default=env,
+                   help=f"{help} (or --redis-url-file, or ${URL_ENV}; a URL with a password "
+                        f"belongs in the file or the variable: a command line is public)")
+    g.add_argument("--redis-url-file", dest="redis_url", action=_UrlFile, metavar="FILE",
+                   help="read the Redis URL from the first line of this file")
 
 
 def apply_environment() -> None:

@@ -24,7 +24,13 @@ import zmq
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
 from pipeline.train import make_step
-from workers.common import RunContext, apply_environment, enable_compile_cache, open_run
+from workers.common import (
+    RunContext,
+    add_redis_args,
+    apply_environment,
+    enable_compile_cache,
+    open_run,
+)
 from workers.island import Island, IslandConfig
 
 log = logging.getLogger("diloco.learner")
@@ -47,6 +53,7 @@ class LearnerConfig:
     checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
     sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
     metrics_port: int = 0          # Prometheus text endpoint (0: off)
+    metrics_host: str = "127.0.0.1"  # the address it binds
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
     stall_in_checkpoint: int = 0   # fault injection: hang halfway through this checkpoint write
     poison: str = ""               # fault injection: send poisoned pushes (POISONS)
@@ -126,7 +133,8 @@ def main(cfg: LearnerConfig) -> int:
     if cfg.metrics_port:
         from workers.metrics import learner_spec, serve
 
-        serve(cfg.metrics_port, "diloco_learner", learner_spec(learner.island))
+        serve(cfg.metrics_port, "diloco_learner", learner_spec(learner.island),
+              addr=cfg.metrics_host)
     try:
         learner.train()
         if not learner.island.net.stop_seen:
@@ -138,7 +146,7 @@ def main(cfg: LearnerConfig) -> int:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--redis-url", required=True)
+    add_redis_args(ap)
     ap.add_argument("--run", required=True)
     ap.add_argument("--id", default="L0", help="learner id; its trailing number is the shard")
     ap.add_argument("--shard", type=int, default=None, help="data shard (default: from --id)")
@@ -153,6 +161,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="inner steps between checkpoints (default: every Δh steps)")
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics on this port (default: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address the metrics endpoint binds (default: loopback only; "
+                         "0.0.0.0 for every interface)")
     ap.add_argument("--sub-endpoint", action="append", default=[],
                     help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
@@ -172,6 +183,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          not a.no_sync, state_dir=a.state_dir,
                          checkpoint_every=a.checkpoint_every,
                          sub_endpoints=tuple(a.sub_endpoint), metrics_port=a.metrics_port,
+                         metrics_host=a.metrics_host,
                          fail_at_step=a.fail_at_step, task=a.task, devices=a.devices,
                          fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
                          poison=a.poison, poison_scale=a.poison_scale)

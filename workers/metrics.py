@@ -34,7 +34,7 @@ class _Collector:
 
 
 def serve(port: int, prefix: str, spec: Spec, label: str = "fragment",
-          addr: str = "0.0.0.0") -> CollectorRegistry:
+          addr: str = "127.0.0.1") -> CollectorRegistry:
     """Start the HTTP endpoint on `port` (a daemon thread) and return its registry."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(prefix, label, spec))

@@ -35,7 +35,13 @@ from pipeline import quant
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native
-from workers.common import RunContext, apply_environment, decode_values, open_run
+from workers.common import (
+    RunContext,
+    add_redis_args,
+    apply_environment,
+    decode_values,
+    open_run,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -69,6 +75,7 @@ class SyncerConfig:
     max_rounds: int = 0                      # stop after this many rounds (0: until run ends)
     wait_config_s: float = 60.0
     metrics_port: int = 0                    # Prometheus text endpoint (0: off)
+    metrics_host: str = "127.0.0.1"          # the address it binds
     faults: CommitFaults = CommitFaults()
     # the user task this process may import: only to initialise a fragment that has no state
     # yet (shapes come from the run's stored spec otherwise); never its data
@@ -465,6 +472,13 @@ class Syncer:
             registry.event(self.ctx.r, self.ctx.keys, "clipped", fragment=p,
                            version=result.version, entries=result.clipped,
                            reason=f"norm above {self.sync.guard_norm_k:g} × the recent median")
+        if result.outvoted:
+            log.warning("fragment %d v%d: %d contribution(s) left out of the robust merge "
+                        "(opposed the others): %s", p, result.version, len(result.outvoted),
+                        ", ".join(result.outvoted))
+            registry.event(self.ctx.r, self.ctx.keys, "outvoted", fragment=p,
+                           version=result.version, entries=result.outvoted,
+                           reason="direction opposed the consensus of the round's others")
         deferred, f.deferred = f.deferred, []
         for e in deferred:
             self._offer(e)
@@ -604,7 +618,7 @@ def main(cfg: SyncerConfig) -> int:
     if cfg.metrics_port:
         from workers.metrics import serve, syncer_spec
 
-        serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s))
+        serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s), addr=cfg.metrics_host)
     try:
         if s.run_finished():
             log.info("run %r has finished (every learner's final report is in and the final "
@@ -626,7 +640,7 @@ def parse_args(argv: list[str] | None = None) -> SyncerConfig:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--redis-url", required=True)
+    add_redis_args(ap)
     ap.add_argument("--run", required=True)
     ap.add_argument("--id", default="syncer-0", help="syncer id (consumer name)")
     ap.add_argument("--fragments", default="", help="comma-separated fragments (default: all)")
@@ -637,6 +651,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-rounds", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=0,
                     help="serve Prometheus metrics on this port (default: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address the metrics endpoint binds (default: loopback only; "
+                         "0.0.0.0 for every interface)")
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the run's user task, imported to initialise fragments (only when the "
                          "run names the same task)")
@@ -648,7 +665,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
-                        metrics_port=a.metrics_port,
+                        metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                         faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
                         task=a.task)
 

@@ -68,17 +68,18 @@ def poison_variants(base: RunConfig) -> dict[str, RunConfig]:
             "engine.poison_scale": 1.0}
     for k in sorted({base.sync.quorum, 3}):
         q = "" if k == base.sync.quorum else f" K={k}"
-        for merge in ("rda", "trimmed"):
+        for merge in ("rda", "trimmed", "robust"):
             if merge == "rda" and not q:
                 continue  # the rows above
             runs[f"clean: {merge}{q}"] = o(base, mode="decoupled",
                                            **{"sync.merge": merge, "sync.quorum": k})
             runs[f"sign-flipped δ: {merge}{q}"] = o(
                 base, mode="decoupled", **{"sync.merge": merge, "sync.quorum": k, **flip})
-    runs["10⁴× norm: trimmed (guard off)"] = o(
-        base, mode="decoupled", **{"sync.merge": "trimmed", "sync.guard": False,
-                                   "engine.poison_learner": bad, "engine.poison": "norm",
-                                   "engine.poison_scale": 1e4})
+    for merge in ("trimmed", "robust"):
+        runs[f"10⁴× norm: {merge} (guard off)"] = o(
+            base, mode="decoupled", **{"sync.merge": merge, "sync.guard": False,
+                                       "engine.poison_learner": bad, "engine.poison": "norm",
+                                       "engine.poison_scale": 1e4})
     return runs
 
 

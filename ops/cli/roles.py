@@ -17,7 +17,7 @@ from ops.tools import snapshot, status
 from pipeline import config as cfgmod
 from pipeline.config import ConfigError
 from workers import learner, syncer
-from workers.common import open_run
+from workers.common import add_redis_args, open_run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=lambda args, role=role: _run_role(role, args))
     i = sub.add_parser("init", help="store a run configuration in Redis for separate hosts")
     add_config_args(i)
-    i.add_argument("--redis-url", required=True)
+    add_redis_args(i)
     i.add_argument("--run", required=True)
     i.set_defaults(func=_init)
     st = sub.add_parser("status", help="live learners, versions, rounds and stream lag")
-    st.add_argument("--redis-url", required=True)
+    add_redis_args(st)
     st.add_argument("--run", required=True)
     st.add_argument("--json", action="store_true")
     st.add_argument("--watch", action="store_true",

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from broker.connection import redact
 from broker.errors import BrokerError
 from broker.keys import check_run_name
 from ops.cli.common import (
@@ -28,6 +29,7 @@ from ops.cluster import (
 from ops.tools import snapshot
 from pipeline import config as cfgmod
 from pipeline.config import ConfigError
+from workers.common import add_redis_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=("distributed", "inprocess"), default="distributed",
                    help="distributed: real processes over Redis and ZeroMQ (default); "
                         "inprocess: one process on a virtual clock")
-    p.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    add_redis_args(p, required=False,
+                   help="use this Redis instead of starting an embedded one")
     p.add_argument("--run", default=None, help="run name (default: a timestamp)")
     p.add_argument("--out", default="runs", help="folder for run output (default: runs/)")
     p.add_argument("--init-only", action="store_true",
@@ -107,7 +110,7 @@ def _init_only(cfg, run_name: str, redis_url: str | None) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(f"stored run {run_name!r} (config hash {cfg.run_hash()}) in {url}")
+    print(f"stored run {run_name!r} (config hash {cfg.run_hash()}) in {redact(url)}")
     return 0
 
 

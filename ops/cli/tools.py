@@ -12,6 +12,7 @@ import numpy as np
 from broker.errors import BrokerError
 from ops.cli.common import REDIS_DOWN, fail, fail_on, print_json
 from ops.tools import checkpoint, inspect, plots, replay
+from workers.common import add_redis_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                        description="List the entries of each fragment stream and its dead-letter "
                        "stream, or with --entry ID --fragment P show one payload's per-tensor "
                        "statistics after dequantising.")
-    p.add_argument("--redis-url", required=True, help="Redis of the run")
+    add_redis_args(p)
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--fragment", type=int, metavar="P", help="only fragment P")
     p.add_argument("--entry", metavar="ID", help="show one entry's payload statistics "
@@ -67,7 +68,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
         description="Replay a run's rounds from its fragment streams (and archive) and verify "
         "each new value bit for bit against the recorded hash. Exit 0: verified; 1: a "
         "divergence (reported with the round's inputs); 2: unusable input.")
-    p.add_argument("--redis-url", required=True, help="Redis holding the run")
+    add_redis_args(p, help="Redis holding the run")
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--fragment", type=int, default=None, metavar="P",
                    help="replay only fragment P (default: all)")
@@ -100,7 +101,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
                        "Redis with --redis-url).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="folder for the PNGs (default: RUN_DIR)")
-    p.add_argument("--redis-url", help="read round records from this Redis too")
+    add_redis_args(p, required=False, help="read round records from this Redis too")
     p.add_argument("--run", help="run name in Redis (default: RUN_DIR's folder name)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_plot)
@@ -151,7 +152,7 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="write a run's global parameters from Redis to an .npz",
                        description="Read the global parameters the syncers committed in Redis "
                        "and write them with the configuration in checkpoint.npz's layout.")
-    x.add_argument("--redis-url", required=True, help="Redis of the run")
+    add_redis_args(x)
     x.add_argument("--run", required=True, help="run name")
     x.add_argument("--out", required=True, metavar="FILE.npz", help="file to write")
     x.add_argument("--json", action="store_true", help="print one JSON object")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from broker import records, registry
+from broker.connection import redact
 from broker.errors import BrokerError
 from ops.cluster import artifacts
 from ops.cluster.redis_server import RedisServer
@@ -183,7 +184,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         artifacts.plot_loss(run_dir / "loss.png", {cfg.mode: summary["history"]}, x="wall_s",
                             title=f"{cfg.mode}, M={cfg.learners}: global model")
         summary["run_dir"] = str(run_dir)
-        summary["redis_url"] = redis_url
+        summary["redis_url"] = None if redis_url is None else redact(redis_url)
         artifacts.write_json(run_dir / "summary.json", summary)
         log.write("summary", {k: v for k, v in summary.items() if k != "history"})
         return summary

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import redis
@@ -29,10 +31,12 @@ class RedisServer:
         workdir: folder for the AOF and logs (default: a new temporary folder, removed on stop).
         appendonly: AOF with appendfsync everysec (survives a restart with at most ~1 s lost).
         port: TCP port (default: a free one).
+        password: require this password (``requirepass``, written to a mode-600 file in the
+            work folder, not onto redis-server's command line); `url` then carries it.
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
-                 port: int | None = None):
+                 port: int | None = None, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -42,20 +46,29 @@ class RedisServer:
         self.appendonly = appendonly
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.password = password
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f"default:{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+        conf = []
+        if self.password is not None:
+            path = self.workdir / "auth.conf"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f'requirepass "{self.password}"\n')
+            conf = [str(path)]
+        args = [self.binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
                 "--protected-mode", "yes", "--logfile", str(self.workdir / "redis.log"),
                 "--maxmemory-policy", "noeviction"]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "everysec"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1.0)
+        client = redis.Redis(port=self.port, socket_timeout=1.0, password=self.password)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

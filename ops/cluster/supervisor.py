@@ -9,6 +9,7 @@ reads the global model (the syncers' committed fp32 state) to evaluate it. It ne
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 import redis
 
 from broker import registry
-from broker.connection import connect
+from broker.connection import URL_ENV, connect, has_secret
 from broker.errors import BrokerError
 from broker.keys import RunKeys
 from broker.state import unpack_state
@@ -65,10 +66,12 @@ def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
 def role_cmd(role: str, redis_url: str, run: str, *args: str, cfg: RunConfig | None = None
              ) -> list[str]:
     """The command line of one role process (``syncer`` or ``learner``); with the run's
-    configuration `cfg`, it names the run's user task (``--task``) so the process imports it."""
+    configuration `cfg`, it names the run's user task (``--task``) so the process imports it.
+    A URL with a password is not put on the command line (every user of the host can read
+    it): the process finds it in ``$DILOCO_REDIS_URL``, which `Supervisor.spawn` sets."""
     task = ["--task", cfg.task] if cfg is not None and cfg.task not in cfgmod.TASKS else []
-    return [sys.executable, "-m", f"workers.{role}", "--redis-url", redis_url, "--run", run,
-            *task, *args]
+    url = [] if has_secret(redis_url) else ["--redis-url", redis_url]
+    return [sys.executable, "-m", f"workers.{role}", *url, "--run", run, *task, *args]
 
 
 class Supervisor:
@@ -104,7 +107,8 @@ class Supervisor:
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
             self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out,
-                                                stderr=subprocess.STDOUT)
+                                                stderr=subprocess.STDOUT,
+                                                env={**os.environ, URL_ENV: self.url})
 
     def exit_codes(self) -> dict[str, int | None]:
         """Each process's exit code (None while it runs)."""

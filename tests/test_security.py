@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 from helpers_broker import REPO
 
+from broker import registry
 from broker.connection import URL_ENV, connect, has_secret, redact
+from broker.keys import RunKeys
 from ops.cluster import RedisServer
+from ops.cluster.redis_server import TlsFiles
 from ops.cluster.supervisor import role_cmd
 from workers.common import add_redis_args
 
@@ -162,3 +165,100 @@ def test_metrics_bind_to_loopback_by_default():
         if state == "0A" and int(local.split(":")[1], 16) == port:  # LISTEN
             addrs.add(local.split(":")[0])
     assert addrs == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
+
+
+# -- ACL users per role ---------------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def test_over_tls_acl_users_per_role_run_a_run_and_are_refused_everything_else(tmp_path):
+    """A TLS-only redis-server requiring client certificates (generated here). `diloco acl
+    --apply` creates the four users; a run whose syncer and three learners use only their
+    role's ``rediss://`` URL completes with identical final values; each role is refused
+    (NOPERM) what it must not touch; a plaintext client and a client without a certificate
+    are refused by the server."""
+    import redis
+    from test_e2e import write_config
+
+    tls = TlsFiles.generate(tmp_path / "tls")
+    with RedisServer(workdir=tmp_path / "redis", password=SECRET, tls=tls) as server:
+        assert server.url.startswith("rediss://")
+        plain = redis.Redis(host="127.0.0.1", port=server.port, password=SECRET, socket_timeout=2)
+        with pytest.raises(redis.ConnectionError):
+            plain.ping()
+        no_cert = redis.Redis(host="127.0.0.1", port=server.port, password=SECRET,
+                              socket_timeout=2, ssl=True, ssl_ca_certs=str(tls.ca))
+        with pytest.raises(redis.ConnectionError):
+            no_cert.ping()
+        admin = {**os.environ, URL_ENV: server.url}
+        base = server.url.replace(f"default:{SECRET}@", "")
+        made = _cli("acl", "--run", "sec", "--url", base, "--out", str(tmp_path / "acl"),
+                    "--apply", env=admin)
+        assert made.returncode == 0, made.stderr[-2000:]
+        url = {role: (tmp_path / "acl" / f"{role}.url").read_text().strip()
+               for role in ("learner", "syncer", "reader", "operator")}
+        for role, u in url.items():
+            assert (tmp_path / "acl" / f"{role}.url").stat().st_mode & 0o077 == 0
+            assert u.split("@")[0].rsplit(":", 1)[1] not in made.stdout + made.stderr
+        # the operator stores the run; the syncer and two learners train with their own users
+        cfg_path = write_config(tmp_path, learners=3, steps=30)
+        init = _cli("run", "--init-only", "--config", cfg_path, "--run", "sec",
+                    "--redis-url-file", str(tmp_path / "acl" / "operator.url"))
+        assert init.returncode == 0, init.stderr[-2000:]
+        logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0", "L1", "L2")}
+        files = {n: str(tmp_path / "acl" / f"{'syncer' if n == 'syncer' else 'learner'}.url")
+                 for n in logs}
+        cmds = {"syncer": [sys.executable, "-m", "workers.syncer", "--redis-url-file",
+                           files["syncer"], "--run", "sec"],
+                **{n: [sys.executable, "-m", "workers.learner", "--redis-url-file", files[n],
+                       "--run", "sec", "--id", n] for n in ("L0", "L1", "L2")}}
+        procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
+                 for n, c in cmds.items()}
+        try:
+            for n in ("L0", "L1", "L2", "syncer"):
+                assert procs[n].wait(240) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            for fh in logs.values():
+                fh.close()
+        status = _cli("status", "--run", "sec", "--json", "--redis-url-file",
+                      str(tmp_path / "acl" / "reader.url"))
+        assert status.returncode == 0, status.stderr[-2000:]
+        finals = registry.learner_final_reports(connect(url["reader"]), RunKeys("sec"))
+        assert sorted(finals) == ["L0", "L1", "L2"]
+        assert len({json.dumps(f.hashes, sort_keys=True) for f in finals.values()}) == 1
+
+        keys, other = RunKeys("sec"), RunKeys("other")
+        f0 = keys.fragment(0)
+        learner, reader = connect(url["learner"]), connect(url["reader"])
+        syncer = connect(url["syncer"])
+        denied = {
+            "learner SET state": lambda: learner.set(f0.state, b"x"),
+            "learner SET lease": lambda: learner.set(f0.lease, b"me"),
+            "learner XADD rounds": lambda: learner.xadd(f0.rounds, {"a": 1}),
+            "learner HSET config": lambda: learner.hset(keys.config, "toml", "x"),
+            "learner SET global": lambda: learner.set(f0.global_, b"x"),
+            "learner HSET syncers": lambda: learner.hset(keys.syncers, "s", "{}"),
+            "learner GET state": lambda: learner.get(f0.state),
+            "learner XADD other run": lambda: learner.xadd(other.fragment(0).frags, {"a": 1}),
+            "learner FLUSHALL": lambda: learner.flushall(),
+            "learner KEYS": lambda: learner.keys("*"),
+            "learner CONFIG": lambda: learner.config_get("requirepass"),
+            "reader XADD frags": lambda: reader.xadd(f0.frags, {"a": 1}),
+            "reader SET stop": lambda: reader.set(keys.stop, b"1"),
+            "syncer HSET config": lambda: syncer.hset(keys.config, "toml", "x"),
+            "syncer GET other run": lambda: syncer.get(other.fragment(0).state),
+        }
+        for what, call in denied.items():
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                call()
+                pytest.fail(f"{what} was allowed")
+        # and what each role needs still works
+        assert learner.xadd(f0.frags, {"probe": 1})
+        assert learner.get(f0.global_) and reader.get(f0.state) and syncer.get(f0.state)

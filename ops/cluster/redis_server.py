@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -24,6 +25,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """Certificates for a TLS redis-server and its clients (PEM files)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def client_params(self) -> dict[str, str]:
+        """redis-py connection arguments (also as ``rediss://`` URL query parameters)."""
+        return {"ssl_ca_certs": str(self.ca), "ssl_certfile": str(self.client_cert),
+                "ssl_keyfile": str(self.client_key)}
+
+    @classmethod
+    def generate(cls, folder: Path, host: str = "127.0.0.1") -> TlsFiles:
+        """A new CA, a server certificate for `host` and a client certificate, with openssl
+        (tests and local experiments; production certificates come from your own CA)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        f = cls(*(folder / n for n in ("ca.crt", "server.crt", "server.key", "client.crt",
+                                         "client.key")))
+
+        def ssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder)
+
+        ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            "/CN=diloco-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+        ext = folder / "san.ext"
+        ext.write_text(f"subjectAltName=IP:{host}\n" if host.replace(".", "").isdigit()
+                       else f"subjectAltName=DNS:{host}\n")
+        for name, cn in (("server", host), ("client", "diloco-client")):
+            ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout",
+                f"{name}.key", "-out", f"{name}.csr")
+            ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-out", f"{name}.crt",
+                *(["-extfile", "san.ext"] if name == "server" else []))
+        for key in folder.glob("*.key"):
+            key.chmod(0o600)
+        return f
+
+
 class RedisServer:
     """Start with `start()`, stop with `stop()` (or use as a context manager).
 
@@ -33,10 +77,14 @@ class RedisServer:
         port: TCP port (default: a free one).
         password: require this password (``requirepass``, written to a mode-600 file in the
             work folder, not onto redis-server's command line); `url` then carries it.
+        tls: serve TLS only (no plaintext port), requiring client certificates: a `TlsFiles`
+            of the server's certificate and key and the CA that signed the clients'; `url` is
+            then ``rediss://…`` with the client certificate, key and CA as query parameters.
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
-                 port: int | None = None, password: str | None = None):
+                 port: int | None = None, password: str | None = None,
+                 tls: TlsFiles | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -47,11 +95,15 @@ class RedisServer:
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         self.password = password
+        self.tls = tls
 
     @property
     def url(self) -> str:
         auth = f"default:{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?" + urllib.parse.urlencode(
+            self.tls.client_params(), safe="/")
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         conf = []
@@ -61,14 +113,22 @@ class RedisServer:
             with os.fdopen(fd, "w") as fh:
                 fh.write(f'requirepass "{self.password}"\n')
             conf = [str(path)]
-        args = [self.binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1",
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            t = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                     str(t.server_cert), "--tls-key-file", str(t.server_key),
+                     "--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "yes"]
+        args = [self.binary, *conf, *ports, "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
                 "--protected-mode", "yes", "--logfile", str(self.workdir / "redis.log"),
                 "--maxmemory-policy", "noeviction"]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "everysec"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1.0, password=self.password)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0,
+                             password=self.password,
+                             **({"ssl": True, **self.tls.client_params()} if self.tls else {}))
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -1,0 +1,108 @@
+"""Redis ACL users for one run, one per role, each with the least it needs.
+
+=========  ===================================================================================
+role       may
+=========  ===================================================================================
+learner    append to the run's fragment streams (and read them back: a restarted learner checks
+           which of its pushes arrived); write its heartbeat (the ``learners`` hash, its
+           ``hb:<id>`` key), events and end-of-run reports; read the configuration, the syncer
+           endpoints, global values and snapshots, its refusals, the stop/finish flags.
+           Nothing else: no syncer state, leases, round records, dead letters, configuration
+           writes, or any key of another run.
+syncer     every fragment key of the run (streams, consumer group, state, global values,
+           snapshots, rounds, dead letters, leases), the syncer endpoints, events, end-of-run
+           reports and refusals; read the configuration, heartbeats and stop/finish flags.
+reader     read every key of the run (``status``, ``inspect``, ``replay``, ``export``, ``plot``).
+operator   every key of the run (``init``, ``stop``, ``finish``, deleting a run).
+=========  ===================================================================================
+
+Every role gets the data commands only (no ``@admin``, no ``@dangerous``: no CONFIG, FLUSHALL,
+KEYS, DEBUG, ACL …), and no Pub/Sub channels. Limits of Redis ACLs, stated: a hash is one key,
+so a learner allowed to write its heartbeat in the shared ``learners`` hash can write another
+learner's field too (records are validated when read, and the heartbeat is what the learner
+itself declares); a learner may append entries in another learner's name to the run's streams
+(signed contributions, not ACLs, are what stops that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import urllib.parse
+from dataclasses import dataclass
+
+from broker.keys import PREFIX, RunKeys, check_run_name
+
+ROLES = ("learner", "syncer", "reader", "operator")
+
+_DATA = ["+@read", "+@write", "+@stream", "+@hash", "+@string", "+@keyspace",
+         "+@transaction", "-@dangerous", "-@admin"]
+
+
+def user_name(run: str, role: str) -> str:
+    """The ACL user of `role` in `run` (``diloco-<run>-<role>``)."""
+    return f"diloco-{check_run_name(run)}-{role}"
+
+
+def key_rules(run: str, role: str) -> list[str]:
+    """The key patterns of `role` (``~`` read and write, ``%R~`` read, ``%W~`` write)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    keys = RunKeys(run)
+    frag = f"{PREFIX}:{{{run}/f*}}"  # every fragment of the run (names hold no glob character)
+    legacy = f"%R~{keys.legacy_config}"  # every process checks that no old-style run is there
+    everything = [f"~{PREFIX}:{{{run}}}:*", f"~{frag}:*"]
+    if role == "operator":
+        return [*everything, legacy]
+    if role == "reader":
+        return [f"%R~{PREFIX}:{{{run}}}:*", f"%R~{frag}:*", legacy]
+    read = [f"%R~{k}" for k in (keys.config, keys.stop, keys.finish)]
+    if role == "syncer":
+        return [*read, legacy, f"%R~{keys.learners}", f"%R~{keys.heartbeat('*')}",
+                f"~{keys.syncers}", f"~{keys.events}", f"~{keys.done}", f"~{keys.refused}",
+                f"~{frag}:*"]
+    return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}",
+            f"%R~{frag}:global", f"%R~{frag}:sent:*", f"~{frag}:frags",
+            f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
+            f"%W~{keys.events}"]
+
+
+def rules(run: str, role: str) -> list[str]:
+    """Every rule of `role` after its password: on, reset, commands, keys, no channels."""
+    commands = (["-@all", "+@connection", "+@read", "-@dangerous", "-@admin"]
+                if role == "reader" else
+                ["-@all", "+@connection", *_DATA, *(["+@scripting"] if role in (
+                    "syncer", "operator") else [])])
+    return ["on", "resetpass", "resetkeys", "resetchannels", *commands, *key_rules(run, role)]
+
+
+@dataclass(frozen=True)
+class RoleUser:
+    role: str
+    name: str
+    password: str  # plaintext: goes only into the role's URL file
+
+    def setuser(self, run: str) -> list[str]:
+        """``ACL SETUSER`` arguments; the password only as its SHA-256 (``#…``)."""
+        digest = hashlib.sha256(self.password.encode()).hexdigest()
+        return ["ACL", "SETUSER", self.name, *rules(run, self.role)[:2], f"#{digest}",
+                *rules(run, self.role)[2:]]
+
+    def url(self, base_url: str) -> str:
+        """`base_url` (scheme, host, port, db, query) with this user and password."""
+        parts = urllib.parse.urlsplit(base_url)
+        host = parts.netloc.rpartition("@")[2]
+        auth = f"{urllib.parse.quote(self.name, safe='')}:" \
+               f"{urllib.parse.quote(self.password, safe='')}@"
+        return urllib.parse.urlunsplit((parts.scheme, auth + host, parts.path, parts.query, ""))
+
+
+def new_users(run: str) -> list[RoleUser]:
+    """One user per role with a fresh random password (256 bits)."""
+    return [RoleUser(role, user_name(run, role), secrets.token_urlsafe(32)) for role in ROLES]
+
+
+def command_line(args: list[str]) -> str:
+    """One redis-cli line of `args` (quoted where needed)."""
+    return " ".join(a if a and all(c.isalnum() or c in "-_:@#%~*/.+>{}"
+                                   for c in a) else f'"{a}"' for a in args)

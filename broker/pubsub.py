@@ -6,16 +6,62 @@ number. High-water marks are small: a slow subscriber loses messages instead of 
 syncer, and repairs from the Redis snapshot (the "Clone" pattern: subscribe first, then read
 the snapshot, drop any update whose version is not newer). Tensor buffers travel as separate
 frames without copies. Nothing is ever unpickled.
+
+With CURVE (`CurveServer`, `CurveClient`), the PUB socket is a CURVE server with the run's
+syncer key pair (shared by every syncer of the run, so syncers can be added without telling
+the learners) and a ZAP handler that admits only the learner public keys in an allowlist
+folder; each learner is a CURVE client with its own key pair that pins the syncers' public
+key, so a PUB socket without the syncers' secret key cannot complete the handshake — rewriting
+the endpoint hash in Redis cannot feed it values — and nobody else can read the values.
+Keys are pyzmq's certificate files (`zmq.auth`): ``NAME.key`` (public) and
+``NAME.key_secret`` (both keys; keep it mode 600). `diloco keys` makes them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from broker import codec
 from broker.errors import DecodeError
+
+log = logging.getLogger("diloco.pubsub")
+
+
+def _secret_pair(path: str | Path) -> tuple[bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(str(path))
+    if not secret:
+        raise ValueError(f"{path} holds no secret key (a .key_secret file is needed)")
+    return public, secret
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """The syncer side: its key pair file and the folder of allowed learner public keys."""
+
+    secret_file: str
+    allow_dir: str
+
+    def allowed(self) -> int:
+        """How many learner public keys the allowlist folder holds."""
+        return len(zmq.auth.load_certificates(self.allow_dir))
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """The learner side: its own key pair file and the syncers' public key file (pinned)."""
+
+    secret_file: str
+    server_key_file: str
+
+    def server_key(self) -> bytes:
+        return zmq.auth.load_certificate(self.server_key_file)[0]
 
 
 class Publisher:
@@ -30,10 +76,23 @@ class Publisher:
     """
 
     def __init__(self, ctx: zmq.Context, bind: str, advertise_host: str | None = None,
-                 hwm: int = 16):
+                 hwm: int = 16, curve: CurveServer | None = None):
+        self.auth: ThreadAuthenticator | None = None
         self.sock = ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            public, secret = _secret_pair(curve.secret_file)
+            if not curve.allowed():
+                raise ValueError(f"the CURVE allowlist {curve.allow_dir} holds no learner key")
+            # the ZAP handler must run before a client can connect (one per zmq.Context: one
+            # CURVE publisher per context)
+            self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("diloco.zap"))
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=curve.allow_dir)
+            self.sock.curve_server = True
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
         if bind.startswith("tcp://") and bind.rsplit(":", 1)[-1] in ("0", "*"):
             host = bind[len("tcp://"):].rsplit(":", 1)[0]
             port = self.sock.bind_to_random_port(f"tcp://{host}")
@@ -56,14 +115,22 @@ class Publisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
 
 class Subscriber:
     """A learner's SUB socket, subscribed to a set of fragments."""
 
     def __init__(self, ctx: zmq.Context, fragments: Sequence[int], hwm: int = 16,
-                 max_bytes: int = codec.MAX_PAYLOAD_BYTES):
+                 max_bytes: int = codec.MAX_PAYLOAD_BYTES, curve: CurveClient | None = None):
         self.sock = ctx.socket(zmq.SUB)
+        if curve is not None:
+            public, secret = _secret_pair(curve.secret_file)
+            self.sock.curve_publickey = public
+            self.sock.curve_secretkey = secret
+            self.sock.curve_serverkey = curve.server_key()
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 2**20)

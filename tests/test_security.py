@@ -175,12 +175,15 @@ def _cli(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.
                           text=True, timeout=timeout, cwd=REPO, env=env)
 
 
-def test_over_tls_acl_users_per_role_run_a_run_and_are_refused_everything_else(tmp_path):
+def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
     """A TLS-only redis-server requiring client certificates (generated here). `diloco acl
-    --apply` creates the four users; a run whose syncer and three learners use only their
-    role's ``rediss://`` URL completes with identical final values; each role is refused
-    (NOPERM) what it must not touch; a plaintext client and a client without a certificate
-    are refused by the server."""
+    --apply` creates the four users and `diloco keys` the CURVE keys; a syncer and three
+    learners, each with only its role's ``rediss://`` URL and its CURVE keys, complete a run
+    with identical final values — while, with the syncer's own credential (which may write the
+    endpoint hash), two rogue PUB sockets are advertised and publish forged finite values of
+    version 10⁶: the learners never take one (their pinned key fails the handshake). Each role
+    is refused (NOPERM) what it must not touch; a plaintext client and a client without a
+    certificate are refused by the server."""
     import redis
     from test_e2e import write_config
 
@@ -209,30 +212,44 @@ def test_over_tls_acl_users_per_role_run_a_run_and_are_refused_everything_else(t
         init = _cli("run", "--init-only", "--config", cfg_path, "--run", "sec",
                     "--redis-url-file", str(tmp_path / "acl" / "operator.url"))
         assert init.returncode == 0, init.stderr[-2000:]
+        kdir = tmp_path / "keys"
+        made = _cli("keys", "--out", str(kdir), "--learners", "L0,L1,L2")
+        assert made.returncode == 0, made.stderr[-2000:]
         logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0", "L1", "L2")}
         files = {n: str(tmp_path / "acl" / f"{'syncer' if n == 'syncer' else 'learner'}.url")
                  for n in logs}
         cmds = {"syncer": [sys.executable, "-m", "workers.syncer", "--redis-url-file",
-                           files["syncer"], "--run", "sec"],
+                           files["syncer"], "--run", "sec", "--curve-secret",
+                           str(kdir / "syncer.key_secret"), "--curve-allow", str(kdir / "allow")],
                 **{n: [sys.executable, "-m", "workers.learner", "--redis-url-file", files[n],
-                       "--run", "sec", "--id", n] for n in ("L0", "L1", "L2")}}
+                       "--run", "sec", "--id", n, "--curve-secret",
+                       str(kdir / "learners" / f"{n}.key_secret"), "--curve-server-key",
+                       str(kdir / "syncer.key")] for n in ("L0", "L1", "L2")}}
         procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
                  for n, c in cmds.items()}
+        stop = threading.Event()
+        rogue = threading.Thread(target=_rogue_syncers, daemon=True,
+                                 args=(url["syncer"], url["reader"], tmp_path, kdir, stop))
+        rogue.start()
         try:
             for n in ("L0", "L1", "L2", "syncer"):
                 assert procs[n].wait(240) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
         finally:
+            stop.set()
+            rogue.join(10)
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
             for fh in logs.values():
                 fh.close()
+        assert (tmp_path / "rogue-published").read_text() != "0"
         status = _cli("status", "--run", "sec", "--json", "--redis-url-file",
                       str(tmp_path / "acl" / "reader.url"))
         assert status.returncode == 0, status.stderr[-2000:]
         finals = registry.learner_final_reports(connect(url["reader"]), RunKeys("sec"))
         assert sorted(finals) == ["L0", "L1", "L2"]
         assert len({json.dumps(f.hashes, sort_keys=True) for f in finals.values()}) == 1
+        assert max(v for f in finals.values() for v in f.versions) < 1000  # no forged value
 
         keys, other = RunKeys("sec"), RunKeys("other")
         f0 = keys.fragment(0)
@@ -262,3 +279,104 @@ def test_over_tls_acl_users_per_role_run_a_run_and_are_refused_everything_else(t
         # and what each role needs still works
         assert learner.xadd(f0.frags, {"probe": 1})
         assert learner.get(f0.global_) and reader.get(f0.state) and syncer.get(f0.state)
+
+
+def _rogue_syncers(syncer_url: str, reader_url: str, tmp_path: Path, kdir: Path,
+                   stop: threading.Event) -> None:
+    """Advertise two rogue PUB sockets in the run's endpoint hash (with the syncer's own
+    credential) and publish forged values on them until `stop`: one CURVE server with another
+    key pair (it even has the allowlist), one plaintext."""
+    import numpy as np
+    import zmq
+
+    from broker import codec
+    from broker.pubsub import CurveServer, Publisher
+    from broker.records import SyncerInfo
+    from ops.cli.security import curve_keys
+    from pipeline import quant
+    from workers.common import open_run
+
+    curve_keys(tmp_path / "rogue-keys", ["X"])
+    ctx_a, ctx_b = zmq.Context(), zmq.Context()
+    pubs = [Publisher(ctx_a, "tcp://127.0.0.1:0", curve=CurveServer(
+        str(tmp_path / "rogue-keys" / "syncer.key_secret"), str(kdir / "allow"))),
+        Publisher(ctx_b, "tcp://127.0.0.1:0")]
+    r = connect(syncer_url)
+    ctx = open_run(reader_url, "sec", wait_s=60)
+    n = 0
+    try:
+        while not stop.is_set():
+            for i, pub in enumerate(pubs):
+                registry.register_syncer(r, ctx.keys, f"rogue-{i}", SyncerInfo(
+                    t=time.time(), endpoint=pub.endpoint,
+                    fragments=list(range(len(ctx.fragments)))))
+                for p, names in enumerate(ctx.fragments):
+                    pub.publish(codec.global_frames("sec", p, 10**6, {
+                        k: quant.quantize(np.full(ctx.shapes[k], 0.5, np.float32), "fp32")
+                        for k in names}))
+                    n += 1
+            time.sleep(0.2)
+    finally:
+        (tmp_path / "rogue-published").write_text(str(n))
+        for pub in pubs:
+            pub.close()
+        ctx_a.term()
+        ctx_b.term()
+
+
+# -- ZeroMQ CURVE ---------------------------------------------------------------------------------
+
+
+def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tmp_path):
+    import numpy as np
+    import zmq
+
+    from broker import codec
+    from broker.pubsub import CurveClient, CurveServer, Publisher, Subscriber
+    from ops.cli.security import curve_keys
+    from pipeline import quant
+
+    keys, rogue_keys = tmp_path / "keys", tmp_path / "rogue"
+    curve_keys(keys, ["L0", "L1"])
+    curve_keys(rogue_keys, ["X"])  # another run's keys: an intruder and a rogue syncer
+    assert (keys / "syncer.key_secret").stat().st_mode & 0o077 == 0
+    assert (keys / "learners" / "L0.key_secret").stat().st_mode & 0o077 == 0
+    ctx, rogue_ctx = zmq.Context(), zmq.Context()  # one ZAP handler per context
+    pub = Publisher(ctx, "tcp://127.0.0.1:0", curve=CurveServer(
+        str(keys / "syncer.key_secret"), str(keys / "allow")))
+    rogue = Publisher(rogue_ctx, "tcp://127.0.0.1:0", curve=CurveServer(
+        str(rogue_keys / "syncer.key_secret"), str(keys / "allow")))
+    plain_pub = Publisher(ctx, "tcp://127.0.0.1:0")
+
+    def sub(secret, server):
+        return Subscriber(ctx, [0], curve=None if secret is None else CurveClient(
+            str(secret), str(server)))
+
+    allowed = sub(keys / "learners" / "L0.key_secret", keys / "syncer.key")
+    intruder = sub(rogue_keys / "learners" / "X.key_secret", keys / "syncer.key")
+    plaintext = sub(None, None)
+    pinned = sub(keys / "learners" / "L1.key_secret", keys / "syncer.key")
+    for s in (allowed, intruder, plaintext):
+        s.connect([pub.endpoint])
+    pinned.connect([rogue.endpoint, plain_pub.endpoint])  # a redirected endpoint hash
+    frames = codec.global_frames("r", 0, 1, {"w": quant.quantize(np.ones(8, np.float32),
+                                                                   "fp32")})
+    got = {name: 0 for name in ("allowed", "intruder", "plaintext", "pinned")}
+    subs = {"allowed": allowed, "intruder": intruder, "plaintext": plaintext, "pinned": pinned}
+    deadline = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < deadline:
+            for p in (pub, rogue, plain_pub):
+                p.publish(frames)
+            for name, s in subs.items():
+                while s.recv(10) is not None:
+                    got[name] += 1
+    finally:
+        for s in subs.values():
+            s.close()
+        for p in (pub, rogue, plain_pub):
+            p.close()
+        ctx.term()
+        rogue_ctx.term()
+    assert got["allowed"] > 0, got
+    assert got["intruder"] == got["plaintext"] == got["pinned"] == 0, got

@@ -7,6 +7,7 @@ import argparse
 import glob
 import io
 import os
+import sys
 import time
 import tomllib
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Task, TaskNotNamed, param_spec, spec_task, task_of
+
+
+def usage_error(message: str) -> None:
+    """An operator's mistake on a role's command line: one line, exit 2 (as argparse)."""
+    sys.stderr.write(f"diloco: error: {message}\n")
+    raise SystemExit(2)
 
 
 class _UrlFile(argparse.Action):

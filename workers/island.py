@@ -48,6 +48,7 @@ import zmq
 
 from broker import codec, registry
 from broker.errors import BrokerError
+from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
 from pipeline.contribution import poisoned
@@ -80,6 +81,8 @@ class IslandConfig:
     # the most tokens one inner step trains on, declared in heartbeats (default: the task's
     # tokens per step); `after_step` refuses more
     max_tokens_per_step: int | None = None
+    # ZeroMQ CURVE: this learner's key pair and the run's pinned syncer key (None: plaintext)
+    curve: CurveClient | None = None
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -134,7 +137,7 @@ class Island:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         self._push_log = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
         self.net = LearnerNet(self.ctx, self.id, self.zctx, acked_log=self._push_log,
-                              sub_endpoints=cfg.sub_endpoints)
+                              sub_endpoints=cfg.sub_endpoints, curve=cfg.curve)
         self._place = place or (lambda flat: {k: jnp.asarray(v) for k, v in flat.items()})
         self.tokens_per_step = self.ctx.task.tokens_per_step()
         self.max_tokens_per_step = cfg.max_tokens_per_step or self.tokens_per_step

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import zmq
 
+from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
 from pipeline.train import make_step
@@ -30,6 +31,7 @@ from workers.common import (
     apply_environment,
     enable_compile_cache,
     open_run,
+    usage_error,
 )
 from workers.island import Island, IslandConfig
 
@@ -56,6 +58,7 @@ class LearnerConfig:
     metrics_host: str = "127.0.0.1"  # the address it binds
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
     stall_in_checkpoint: int = 0   # fault injection: hang halfway through this checkpoint write
+    curve: CurveClient | None = None  # ZeroMQ CURVE (--curve-secret, --curve-server-key)
     poison: str = ""               # fault injection: send poisoned pushes (POISONS)
     poison_scale: float = 1e4
     task: str | None = None        # the user task this process may import (--task)
@@ -79,7 +82,8 @@ class Learner:
         self.island = Island(
             IslandConfig(cfg.redis_url, cfg.run, cfg.learner_id, cfg.shard, cfg.task, cfg.sync,
                          cfg.wait_config_s, cfg.final_timeout_s, cfg.state_dir,
-                         cfg.checkpoint_every, cfg.sub_endpoints, devices=n_dev),
+                         cfg.checkpoint_every, cfg.sub_endpoints, devices=n_dev,
+                         curve=cfg.curve),
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
         self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
@@ -166,6 +170,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "0.0.0.0 for every interface)")
     ap.add_argument("--sub-endpoint", action="append", default=[],
                     help="connect to this PUB endpoint instead of the advertised ones")
+    ap.add_argument("--curve-secret", metavar="FILE",
+                    help="ZeroMQ CURVE: this learner's key pair (NAME.key_secret from diloco "
+                         "keys); with --curve-server-key")
+    ap.add_argument("--curve-server-key", metavar="FILE",
+                    help="ZeroMQ CURVE: the run's syncer public key (syncer.key), pinned: only "
+                         "a syncer holding its secret can send this learner values")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--poison", default="", choices=("", *POISONS), help=argparse.SUPPRESS)
@@ -178,6 +188,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="shard parameters and optimizer state over the island's devices")
 
 
+def curve_client(secret: str | None, server_key: str | None) -> CurveClient | None:
+    """The learner's CURVE settings from its two flags (both or neither)."""
+    if bool(secret) != bool(server_key):
+        usage_error("--curve-secret and --curve-server-key go together")
+    return CurveClient(secret, server_key) if secret else None
+
+
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
                          not a.no_sync, state_dir=a.state_dir,
@@ -186,7 +203,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          metrics_host=a.metrics_host,
                          fail_at_step=a.fail_at_step, task=a.task, devices=a.devices,
                          fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
-                         poison=a.poison, poison_scale=a.poison_scale)
+                         poison=a.poison, poison_scale=a.poison_scale,
+                         curve=curve_client(a.curve_secret, a.curve_server_key))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import zmq
 
 from broker import codec, registry
 from broker.errors import DecodeError
-from broker.pubsub import Subscriber
+from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
 from workers.common import RunContext, decode_values
@@ -58,14 +58,15 @@ class LearnerNet(threading.Thread):
     """Background I/O of one learner (see module docstring)."""
 
     def __init__(self, ctx: RunContext, learner_id: str, zctx: zmq.Context,
-                 acked_log: Path | None = None, sub_endpoints: tuple[str, ...] = ()):
+                 acked_log: Path | None = None, sub_endpoints: tuple[str, ...] = (),
+                 curve: CurveClient | None = None):
         super().__init__(name=f"net-{learner_id}", daemon=True)
         self.ctx = ctx
         self.id = learner_id
         self.bcfg = ctx.cfg.broker
         self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
         self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
-                              max_bytes=self.bcfg.max_payload_bytes)
+                              max_bytes=self.bcfg.max_payload_bytes, curve=curve)
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
         self.snapshot_requests: queue.Queue = queue.Queue()

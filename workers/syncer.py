@@ -27,7 +27,7 @@ from broker import archive, codec, registry
 from broker.codec import EntryMeta
 from broker.errors import DecodeError
 from broker.ids import id_key
-from broker.pubsub import Publisher
+from broker.pubsub import CurveServer, Publisher
 from broker.records import Drop, Included, Refusal, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
@@ -41,6 +41,7 @@ from workers.common import (
     apply_environment,
     decode_values,
     open_run,
+    usage_error,
 )
 
 log = logging.getLogger("diloco.syncer")
@@ -76,6 +77,7 @@ class SyncerConfig:
     wait_config_s: float = 60.0
     metrics_port: int = 0                    # Prometheus text endpoint (0: off)
     metrics_host: str = "127.0.0.1"          # the address it binds
+    curve: CurveServer | None = None         # ZeroMQ CURVE (--curve-secret, --curve-allow)
     faults: CommitFaults = CommitFaults()
     # the user task this process may import: only to initialise a fragment that has no state
     # yet (shapes come from the run's stored spec otherwise); never its data
@@ -137,7 +139,8 @@ class Syncer:
         if bad:
             raise ValueError(f"--fragments {bad}: the run has fragments "
                              f"0..{len(ctx.fragments) - 1}")
-        self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm)
+        self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm,
+                             curve=cfg.curve)
         self.frags: dict[int, _Frag] = {}
         self.live: frozenset[str] = frozenset()
         self.step_time_s = 1.0
@@ -657,9 +660,22 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the run's user task, imported to initialise fragments (only when the "
                          "run names the same task)")
+    ap.add_argument("--curve-secret", metavar="FILE",
+                    help="ZeroMQ CURVE: the run's syncer key pair (syncer.key_secret from "
+                         "diloco keys); with --curve-allow")
+    ap.add_argument("--curve-allow", metavar="DIR",
+                    help="ZeroMQ CURVE: folder of the learner public keys (NAME.key) allowed "
+                         "to subscribe")
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def curve_server(secret: str | None, allow: str | None) -> CurveServer | None:
+    """The syncer's CURVE settings from its two flags (both or neither)."""
+    if bool(secret) != bool(allow):
+        usage_error("--curve-secret and --curve-allow go together")
+    return CurveServer(secret, allow) if secret else None
 
 
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
@@ -667,7 +683,7 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                         faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
-                        task=a.task)
+                        task=a.task, curve=curve_server(a.curve_secret, a.curve_allow))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--redis-url-file or $DILOCO_REDIS_URL)")
     add_redis_args(p, required=False, help="admin URL for --apply")
     p.set_defaults(func=_acl)
+    k = sub.add_parser("keys", help="ZeroMQ CURVE key pairs of a run's syncers and learners")
+    k.add_argument("--out", required=True, metavar="DIR")
+    k.add_argument("--learners", required=True, metavar="ID,ID,...",
+                   help="the learner ids, e.g. L0,L1,L2 (more can be added later with --add)")
+    k.add_argument("--add", action="store_true",
+                   help="only add the learners' keys (keep the syncer key pair in DIR)")
+    k.set_defaults(func=_keys)
 
 
 def _acl(args: argparse.Namespace) -> int:
@@ -62,3 +69,61 @@ def _acl(args: argparse.Namespace) -> int:
         print(f"# applied to {redact(args.redis_url)}; run ACL SAVE there if it uses an aclfile")
     print(f"# role URLs written to {out}/{{{','.join(acl.ROLES)}}}.url (mode 600)")
     return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    ids = [x.strip() for x in args.learners.split(",") if x.strip()]
+    bad = [x for x in ids if not x.replace("-", "").replace("_", "").replace(".", "").isalnum()]
+    if not ids or bad:
+        return fail(f"--learners: expected ids of letters, digits, '.', '_', '-'; got "
+                    f"{args.learners!r}")
+    out = Path(args.out)
+    try:
+        made = curve_keys(out, ids, syncer=not args.add)
+    except (OSError, ValueError) as e:
+        return fail(f"--out {out}: {e}")
+    for line in made:
+        print(line)
+    return 0
+
+
+def curve_keys(out: Path, ids: list[str], syncer: bool = True) -> list[str]:
+    """Write the run's CURVE keys under `out`; return what went where (one line each)."""
+    out.mkdir(parents=True, exist_ok=True)
+    old_umask = os.umask(0o077)  # secret files are never readable by others, not even briefly
+    try:
+        return _write_keys(out, ids, syncer)
+    finally:
+        os.umask(old_umask)
+
+
+def _write_keys(out: Path, ids: list[str], syncer: bool) -> list[str]:
+    import shutil
+
+    import zmq.auth
+
+    lines = []
+    if syncer:
+        if (out / "syncer.key_secret").exists():
+            raise ValueError("syncer.key_secret exists (use --add to add learners)")
+        public, secret = zmq.auth.create_certificates(str(out), "syncer")
+        os.chmod(secret, 0o600)
+        os.chmod(public, 0o644)
+        lines += [f"{out}/syncer.key_secret   every syncer host (--curve-secret), mode 600",
+                  f"{out}/syncer.key          every learner host (--curve-server-key)"]
+    elif not (out / "syncer.key").exists():
+        raise ValueError("no syncer.key there to add learners to")
+    (out / "learners").mkdir(exist_ok=True)
+    (out / "allow").mkdir(exist_ok=True)
+    for lid in ids:
+        if (out / "learners" / f"{lid}.key_secret").exists():
+            raise ValueError(f"learners/{lid}.key_secret exists")
+        public, secret = zmq.auth.create_certificates(str(out / "learners"), lid)
+        os.chmod(secret, 0o600)
+        shutil.copy(public, out / "allow" / f"{lid}.key")
+        os.chmod(out / "allow" / f"{lid}.key", 0o644)
+        os.chmod(public, 0o644)
+        lines.append(f"{out}/learners/{lid}.key_secret   learner {lid}'s host (--curve-secret)")
+    lines.append(f"{out}/allow/                 every syncer host (--curve-allow); a learner's "
+                 f"access is revoked by deleting its .key there and restarting the syncers")
+    return lines

@@ -220,11 +220,17 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
                  for n in logs}
         cmds = {"syncer": [sys.executable, "-m", "workers.syncer", "--redis-url-file",
                            files["syncer"], "--run", "sec", "--curve-secret",
-                           str(kdir / "syncer.key_secret"), "--curve-allow", str(kdir / "allow")],
+                           str(kdir / "syncer.key_secret"), "--curve-allow", str(kdir / "allow"),
+                           "--sign-keys", str(kdir / "signers")],
                 **{n: [sys.executable, "-m", "workers.learner", "--redis-url-file", files[n],
                        "--run", "sec", "--id", n, "--curve-secret",
                        str(kdir / "learners" / f"{n}.key_secret"), "--curve-server-key",
-                       str(kdir / "syncer.key")] for n in ("L0", "L1", "L2")}}
+                       str(kdir / "syncer.key"), "--sign-key",
+                       str(kdir / "learners" / f"{n}.sign")] for n in ("L0", "L1", "L2")}}
+        # before the learners start, with the learner credential (allowed to XADD): an
+        # unsigned entry, one signed with another key, one from an unknown learner, and L1's
+        # own next keys pre-empted (unsigned) — a real push must not become a "duplicate"
+        injected = _inject_forged_entries(url["learner"], url["reader"], kdir)
         procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
                  for n, c in cmds.items()}
         stop = threading.Event()
@@ -250,6 +256,22 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         assert sorted(finals) == ["L0", "L1", "L2"]
         assert len({json.dumps(f.hashes, sort_keys=True) for f in finals.values()}) == 1
         assert max(v for f in finals.values() for v in f.versions) < 1000  # no forged value
+        # every injected entry is dead-lettered with its reason, no real push was refused
+        admin_r = connect(url["reader"])
+        dead = {}
+        for p in range(2):
+            for _, fields in admin_r.xrange(RunKeys("sec").fragment(p).dlq):
+                dead[fields[b"dlq_source_id"].decode()] = fields[b"dlq_reason"].decode()
+        assert set(injected) <= set(dead), (injected, dead)
+        for entry_id, why in injected.items():
+            assert dead[entry_id].startswith(f"signature: {why}"), (entry_id, dead[entry_id])
+        from broker.records import read_rounds
+        refused = [(e, why) for p in range(2) for rec in read_rounds(
+            admin_r, RunKeys("sec").fragment(p)) for e, why in rec.dropped]
+        assert not refused, refused
+        merged = {inc.learner for p in range(2) for rec in read_rounds(
+            admin_r, RunKeys("sec").fragment(p)) for inc in rec.included}
+        assert merged == {"L0", "L1", "L2"}
 
         keys, other = RunKeys("sec"), RunKeys("other")
         f0 = keys.fragment(0)
@@ -279,6 +301,37 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         # and what each role needs still works
         assert learner.xadd(f0.frags, {"probe": 1})
         assert learner.get(f0.global_) and reader.get(f0.state) and syncer.get(f0.state)
+
+
+def _inject_forged_entries(learner_url: str, reader_url: str, kdir: Path) -> dict[str, str]:
+    """XADD hostile entries with a learner's credential; entry id → the expected reason."""
+    import numpy as np
+    from helpers_broker import contribution_fields
+
+    from broker import signing
+    from broker.streams import FragmentStreams
+    from workers.common import open_run
+
+    ctx = open_run(reader_url, "sec", wait_s=60)
+    streams = FragmentStreams(connect(learner_url), ctx.keys)
+    delta = {k: np.full(ctx.shapes[k], 1e-3, np.float32) for k in ctx.fragments[0]}
+    other_key = signing.new_key()
+    out = {}
+    out[streams.push(0, contribution_fields("L0", 0, delta, step=999))] = "unsigned"
+    out[streams.push(0, signing.signed(other_key, "sec", contribution_fields(
+        "L0", 0, delta, step=998)))] = "bad signature"
+    out[streams.push(0, signing.signed(other_key, "sec", contribution_fields(
+        "L9", 0, delta, step=997)))] = "no signing key"
+    good = signing.read_key(kdir / "learners" / "L2.sign")
+    forged = signing.signed(good, "sec", contribution_fields("L2", 0, delta, step=996))
+    forged["tokens"] = 10**9  # a signed entry altered on the way
+    out[streams.push(0, forged)] = "bad signature"
+    for p, names in enumerate(ctx.fragments):  # L1's plausible next keys, unsigned
+        d = {k: np.full(ctx.shapes[k], 1e-3, np.float32) for k in names}
+        for step in range(1, 31):
+            out[streams.push(p, contribution_fields("L1", p, d, base_version=0, step=step,
+                                                    steps=step))] = "unsigned"
+    return out
 
 
 def _rogue_syncers(syncer_url: str, reader_url: str, tmp_path: Path, kdir: Path,
@@ -380,3 +433,40 @@ def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tm
         rogue_ctx.term()
     assert got["allowed"] > 0, got
     assert got["intruder"] == got["plaintext"] == got["pinned"] == 0, got
+
+
+def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_path):
+    import numpy as np
+    from helpers_broker import contribution_fields
+
+    from broker import signing
+
+    key = signing.new_key()
+    signing.write_key(tmp_path / "L0.sign", key)
+    assert (tmp_path / "L0.sign").stat().st_mode & 0o077 == 0
+    assert signing.read_key(tmp_path / "L0.sign") == key
+    fields = signing.signed(key, "run", contribution_fields(
+        "L0", 1, {"w": np.ones(4, np.float32)}, base_version=3, step=40))
+    # as XREADGROUP returns it: bytes keys and values
+    wire = {k.encode(): v if isinstance(v, bytes) else str(v).encode()
+            for k, v in fields.items()}
+    v = signing.Verifier(tmp_path)
+    assert v.verify("run", wire) == "L0"
+    with pytest.raises(signing.SignatureError, match="bad signature"):
+        v.verify("other-run", wire)  # a signature does not carry over to another run
+    for name in wire:
+        if name in (b"payload", b"sig"):
+            continue
+        tampered = dict(wire)
+        tampered[name] = wire[name] + b"0"
+        with pytest.raises(signing.SignatureError, match="bad signature|no signing key"):
+            v.verify("run", tampered)
+    with pytest.raises(signing.SignatureError, match="unsigned"):
+        v.verify("run", {k: x for k, x in wire.items() if k != b"sig"})
+    with pytest.raises(signing.SignatureError, match="no signing key"):
+        v.verify("run", {**wire, b"learner": b"L7"})
+    with pytest.raises(signing.SignatureError, match="bad signature"):
+        v.verify("run", {**wire, b"sig": "ü".encode()})
+    (tmp_path / "bad.sign").write_text("zz")
+    with pytest.raises(ValueError, match="not a signing key"):
+        signing.Verifier(tmp_path)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import zmq
 
-from broker import codec, registry
+from broker import codec, registry, signing
 from broker.errors import BrokerError
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
@@ -83,6 +83,8 @@ class IslandConfig:
     max_tokens_per_step: int | None = None
     # ZeroMQ CURVE: this learner's key pair and the run's pinned syncer key (None: plaintext)
     curve: CurveClient | None = None
+    # signed contributions: this learner's signing key (broker/signing.py; None: unsigned)
+    sign_key: bytes | None = None
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -381,7 +383,10 @@ class Island:
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
                                        seconds=self.secs[push.fragment], final=final)
-        self.net.push(push.fragment, codec.entry_fields(meta, push.payload))
+        fields = codec.entry_fields(meta, push.payload)
+        if self.cfg.sign_key is not None:
+            fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
+        self.net.push(push.fragment, fields)
 
     def _wait_until_unblocked(self, flat: dict[str, Any]) -> dict[str, Any]:
         """Blocking modes: wait for the merged value (repairing from the snapshot on timeout)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import zmq
 
+from broker import signing
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
@@ -59,6 +60,7 @@ class LearnerConfig:
     fail_at_step: int = 0          # fault injection: exit abruptly after this step (0: never)
     stall_in_checkpoint: int = 0   # fault injection: hang halfway through this checkpoint write
     curve: CurveClient | None = None  # ZeroMQ CURVE (--curve-secret, --curve-server-key)
+    sign_key: bytes | None = None  # signs every contribution (--sign-key)
     poison: str = ""               # fault injection: send poisoned pushes (POISONS)
     poison_scale: float = 1e4
     task: str | None = None        # the user task this process may import (--task)
@@ -83,7 +85,7 @@ class Learner:
             IslandConfig(cfg.redis_url, cfg.run, cfg.learner_id, cfg.shard, cfg.task, cfg.sync,
                          cfg.wait_config_s, cfg.final_timeout_s, cfg.state_dir,
                          cfg.checkpoint_every, cfg.sub_endpoints, devices=n_dev,
-                         curve=cfg.curve),
+                         curve=cfg.curve, sign_key=cfg.sign_key),
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
         self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
@@ -176,6 +178,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve-server-key", metavar="FILE",
                     help="ZeroMQ CURVE: the run's syncer public key (syncer.key), pinned: only "
                          "a syncer holding its secret can send this learner values")
+    ap.add_argument("--sign-key", metavar="FILE",
+                    help="sign every contribution with this learner's key (learners/ID.sign "
+                         "from diloco keys); syncers started with --sign-keys require it")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--poison", default="", choices=("", *POISONS), help=argparse.SUPPRESS)
@@ -195,6 +200,15 @@ def curve_client(secret: str | None, server_key: str | None) -> CurveClient | No
     return CurveClient(secret, server_key) if secret else None
 
 
+def _sign_key(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return signing.read_key(path)
+    except (OSError, ValueError) as e:
+        usage_error(f"--sign-key: {e}")
+
+
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
                          not a.no_sync, state_dir=a.state_dir,
@@ -204,7 +218,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          fail_at_step=a.fail_at_step, task=a.task, devices=a.devices,
                          fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
                          poison=a.poison, poison_scale=a.poison_scale,
-                         curve=curve_client(a.curve_secret, a.curve_server_key))
+                         curve=curve_client(a.curve_secret, a.curve_server_key),
+                         sign_key=_sign_key(a.sign_key))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import numpy as np
 import redis
 import zmq
 
-from broker import archive, codec, registry
+from broker import archive, codec, registry, signing
 from broker.codec import EntryMeta
 from broker.errors import DecodeError
 from broker.ids import id_key
@@ -78,6 +78,7 @@ class SyncerConfig:
     metrics_port: int = 0                    # Prometheus text endpoint (0: off)
     metrics_host: str = "127.0.0.1"          # the address it binds
     curve: CurveServer | None = None         # ZeroMQ CURVE (--curve-secret, --curve-allow)
+    sign_keys: str | None = None             # folder of learner signing keys (--sign-keys)
     faults: CommitFaults = CommitFaults()
     # the user task this process may import: only to initialise a fragment that has no state
     # yet (shapes come from the run's stored spec otherwise); never its data
@@ -141,6 +142,7 @@ class Syncer:
                              f"0..{len(ctx.fragments) - 1}")
         self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm,
                              curve=cfg.curve)
+        self.verifier = signing.Verifier(cfg.sign_keys) if cfg.sign_keys else None
         self.frags: dict[int, _Frag] = {}
         self.live: frozenset[str] = frozenset()
         self.step_time_s = 1.0
@@ -289,6 +291,12 @@ class Syncer:
         f = self.frags.get(e.fragment)
         if f is None or e.entry_id in f.entries:
             return  # not ours, or re-delivered while already held in the open round
+        if self.verifier is not None:  # before anything else reads the entry
+            try:
+                self.verifier.verify(self.ctx.keys.run, e.fields)
+            except signing.SignatureError as err:
+                self._dead_letter(e, f"signature: {err}")
+                return
         if self._defer_unparsed(f, e):
             f.deferred.append(e)
             return
@@ -666,6 +674,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve-allow", metavar="DIR",
                     help="ZeroMQ CURVE: folder of the learner public keys (NAME.key) allowed "
                          "to subscribe")
+    ap.add_argument("--sign-keys", metavar="DIR",
+                    help="require signed contributions: folder of the learners' signing keys "
+                         "(signers/ID.sign from diloco keys); anything else is dead-lettered")
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
@@ -683,7 +694,8 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                         faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
-                        task=a.task, curve=curve_server(a.curve_secret, a.curve_allow))
+                        task=a.task, curve=curve_server(a.curve_secret, a.curve_allow),
+                        sign_keys=a.sign_keys)
 
 
 if __name__ == "__main__":

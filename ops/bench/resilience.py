@@ -137,8 +137,9 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
     return doc
 
 
-POISON_VARIANTS = ("clean", "clean (again)", "10⁴× norm: guard on", "10⁴× norm: guard off",
-                   "10⁴× tokens: guard on", "10⁴× tokens: guard off")
+POISON_VARIANTS = ("clean", "clean (again)", "clean M=3 (the honest learners alone)",
+                   "10⁴× norm: guard on", "10⁴× norm: guard off", "10⁴× tokens: guard on",
+                   "10⁴× tokens: guard off")
 
 
 def poison(out: Path, names: list[str] | None = None, *, steps: int = 1000, pace_s: float = 0.05,
@@ -156,7 +157,9 @@ def poison(out: Path, names: list[str] | None = None, *, steps: int = 1000, pace
         if name not in POISON_VARIANTS:
             raise ValueError(f"unknown variant {name!r}; known: {', '.join(POISON_VARIANTS)}")
         args, cfg = None, base
-        if not name.startswith("clean"):
+        if "M=3" in name:
+            cfg = cfgmod.override(base, learners=3)
+        elif not name.startswith("clean"):
             kind = "norm" if "norm" in name else "tokens"
             args = {"L3": ["--poison", kind, "--poison-scale", "1e4"]}
             cfg = cfgmod.override(base, **{"sync.guard": name.endswith("on")})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from broker import acl
+from broker import acl, signing
 from broker.connection import connect, redact
 from broker.keys import check_run_name
 from ops.cli.common import fail, fail_on
@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--redis-url-file or $DILOCO_REDIS_URL)")
     add_redis_args(p, required=False, help="admin URL for --apply")
     p.set_defaults(func=_acl)
-    k = sub.add_parser("keys", help="ZeroMQ CURVE key pairs of a run's syncers and learners")
+    k = sub.add_parser("keys", help="ZeroMQ CURVE key pairs and signing keys of a run's "
+                       "syncers and learners")
     k.add_argument("--out", required=True, metavar="DIR")
     k.add_argument("--learners", required=True, metavar="ID,ID,...",
                    help="the learner ids, e.g. L0,L1,L2 (more can be added later with --add)")
@@ -113,17 +114,23 @@ def _write_keys(out: Path, ids: list[str], syncer: bool) -> list[str]:
                   f"{out}/syncer.key          every learner host (--curve-server-key)"]
     elif not (out / "syncer.key").exists():
         raise ValueError("no syncer.key there to add learners to")
-    (out / "learners").mkdir(exist_ok=True)
-    (out / "allow").mkdir(exist_ok=True)
+    for d in ("learners", "allow", "signers"):
+        (out / d).mkdir(exist_ok=True)
     for lid in ids:
         if (out / "learners" / f"{lid}.key_secret").exists():
             raise ValueError(f"learners/{lid}.key_secret exists")
         public, secret = zmq.auth.create_certificates(str(out / "learners"), lid)
         os.chmod(secret, 0o600)
+        key = signing.new_key()
+        signing.write_key(out / "learners" / f"{lid}.sign", key)
+        signing.write_key(out / "signers" / f"{lid}.sign", key)
         shutil.copy(public, out / "allow" / f"{lid}.key")
         os.chmod(out / "allow" / f"{lid}.key", 0o644)
         os.chmod(public, 0o644)
         lines.append(f"{out}/learners/{lid}.key_secret   learner {lid}'s host (--curve-secret)")
-    lines.append(f"{out}/allow/                 every syncer host (--curve-allow); a learner's "
-                 f"access is revoked by deleting its .key there and restarting the syncers")
+        lines.append(f"{out}/learners/{lid}.sign   learner {lid}'s host (--sign-key)")
+    lines.append(f"{out}/allow/                 every syncer host (--curve-allow)")
+    lines.append(f"{out}/signers/               every syncer host (--sign-keys), mode 600; a "
+                 f"learner is revoked by deleting its files in allow/ and signers/ there and "
+                 f"restarting the syncers")
     return lines

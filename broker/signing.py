@@ -1,0 +1,136 @@
+"""Signed contributions: each learner signs its stream entries with its own secret.
+
+The signature is HMAC-SHA-256 (standard library) over the run name and every field of the
+entry but the payload itself and the signature — the payload is covered through its
+``sha256`` field, which the syncer checks against the payload before using it. It travels in
+the entry's ``sig`` field (hex). The syncer holds one key per learner (a folder of
+``<learner>.sign`` files, `diloco keys`), verifies before anything else, and dead-letters an
+entry that is unsigned, signed by a learner it has no key for, or whose signature does not
+match: a stranger with write access to the streams can neither inject a contribution nor
+pre-empt a learner's (learner, base version, step) so that its real push is dropped as a
+duplicate. Deleting a learner's file on the syncers' hosts (and restarting them) revokes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from broker.ids import as_text
+
+SIG_FIELD = "sig"
+KEY_BYTES = 32
+_SKIP = {"payload", SIG_FIELD}
+_MAX_FIELDS = 64
+_MAX_FIELD_BYTES = 4096
+
+
+class SignatureError(ValueError):
+    """An entry that is unsigned, from a learner without a key, or whose signature fails."""
+
+
+def _message(run: str, fields: Mapping) -> bytes:
+    items = []
+    if len(fields) > _MAX_FIELDS:
+        raise SignatureError(f"{len(fields)} fields")
+    for k, v in fields.items():
+        key = as_text(k)
+        if key in _SKIP:
+            continue
+        raw = v if isinstance(v, bytes) else str(v).encode()
+        if len(raw) > _MAX_FIELD_BYTES:
+            raise SignatureError(f"field {key!r} is over {_MAX_FIELD_BYTES} bytes")
+        items.append((key.encode(), raw))
+    items.sort()
+    parts = [b"diloco-entry-v1", run.encode()]
+    for k, raw in items:
+        parts += [k, raw]
+    # length-prefixed, so no two field sets give the same message
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def sign(key: bytes, run: str, fields: Mapping) -> str:
+    """The hex signature of an entry's `fields` (as `codec.entry_fields` builds them)."""
+    return hmac.new(key, _message(run, fields), hashlib.sha256).hexdigest()
+
+
+def signed(key: bytes, run: str, fields: dict) -> dict:
+    """`fields` with its ``sig`` field added."""
+    return {**fields, SIG_FIELD: sign(key, run, fields)}
+
+
+class Verifier:
+    """The syncer's learner keys: a folder of ``<learner>.sign`` files (re-read when an
+    unknown learner shows up, at most every `rescan_s`, so learners can be added live)."""
+
+    def __init__(self, folder: str | Path, rescan_s: float = 5.0):
+        self.folder = Path(folder)
+        self.rescan_s = rescan_s
+        self._keys: dict[str, bytes] = {}
+        self._scanned = -1e18
+        self._load()
+        if not self._keys:
+            raise ValueError(f"no learner signing keys (*.sign) in {self.folder}")
+
+    def _load(self) -> None:
+        import time
+
+        self._scanned = time.monotonic()
+        keys = {}
+        for path in sorted(self.folder.glob("*.sign")):
+            keys[path.stem] = read_key(path)
+        self._keys = keys
+
+    def verify(self, run: str, fields: Mapping) -> str:
+        """The learner an entry is from, once its signature checks.
+
+        Raises:
+            SignatureError: With the reason (unsigned, unknown learner, bad signature).
+        """
+        import time
+
+        learner = as_text(fields.get(b"learner", fields.get("learner", b"")))
+        got = fields.get(SIG_FIELD.encode(), fields.get(SIG_FIELD))
+        if got is None:
+            raise SignatureError("unsigned entry")
+        key = self._keys.get(learner)
+        if key is None and time.monotonic() - self._scanned > self.rescan_s:
+            self._load()
+            key = self._keys.get(learner)
+        if key is None:
+            raise SignatureError(f"no signing key for learner {learner[:64]!r}")
+        got = got if isinstance(got, bytes) else str(got).encode()
+        if not hmac.compare_digest(got, sign(key, run, fields).encode()):
+            raise SignatureError(f"bad signature for learner {learner[:64]!r}")
+        return learner
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def write_key(path: Path, key: bytes) -> None:
+    """Write a key file (hex, mode 600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex() + "\n")
+
+
+def read_key(path: str | Path) -> bytes:
+    """Read a key file written by `write_key`.
+
+    Raises:
+        ValueError: Not a key file.
+    """
+    text = Path(path).read_text(encoding="ascii", errors="replace").strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path} is not a signing key file") from None
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{path}: a signing key has {KEY_BYTES} bytes, this one {len(key)}")
+    return key

@@ -198,7 +198,7 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         with pytest.raises(redis.ConnectionError):
             no_cert.ping()
         admin = {**os.environ, URL_ENV: server.url}
-        base = server.url.replace(f"default:{SECRET}@", "")
+        base = server.address_url()
         made = _cli("acl", "--run", "sec", "--url", base, "--out", str(tmp_path / "acl"),
                     "--apply", env=admin)
         assert made.returncode == 0, made.stderr[-2000:]
@@ -345,7 +345,7 @@ def _rogue_syncers(syncer_url: str, reader_url: str, tmp_path: Path, kdir: Path,
     from broker import codec
     from broker.pubsub import CurveServer, Publisher
     from broker.records import SyncerInfo
-    from ops.cli.security import curve_keys
+    from ops.cluster import write_keys as curve_keys
     from pipeline import quant
     from workers.common import open_run
 
@@ -386,7 +386,7 @@ def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tm
 
     from broker import codec
     from broker.pubsub import CurveClient, CurveServer, Publisher, Subscriber
-    from ops.cli.security import curve_keys
+    from ops.cluster import write_keys as curve_keys
     from pipeline import quant
 
     keys, rogue_keys = tmp_path / "keys", tmp_path / "rogue"

@@ -12,6 +12,7 @@ Each one measures its ratio side by side in one run on this machine:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -26,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from broker import codec, registry
+from broker import codec, registry, signing
 from broker.connection import connect
 from broker.keys import RunKeys
 from broker.pubsub import Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
-from ops.cluster import RedisServer, store_run_config
+from ops.cluster import RedisServer, SecureSetup, store_run_config
 from pipeline import config as cfgmod
 from pipeline import kernels, quant
 from pipeline.config import RunConfig
@@ -146,16 +147,32 @@ def _frag_params(cfg: RunConfig, p: int) -> int:
 
 # -- syncer memory and round latency (a real syncer process, synthetic pushers) -----------------
 
-def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
+def _servers(stack: contextlib.ExitStack, secure: bool, run: str, learners: list[str]
+             ) -> tuple[str, str, list[str], SecureSetup | None]:
+    """(admin URL, learner URL, the syncer's Redis/CURVE/signing arguments, the setup): an
+    open redis-server, or with `secure` a TLS-only one with ACL users, CURVE and signing keys
+    (`ops.cluster.SecureSetup`)."""
+    if not secure:
+        srv = stack.enter_context(RedisServer(appendonly=False))
+        return srv.url, srv.url, ["--redis-url", srv.url], None
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    sec = SecureSetup(tmp, run, learners).start()
+    stack.callback(sec.stop)
+    return sec.admin_url, sec.urls["learner"], sec.syncer_args(), sec
+
+
+def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> dict:
     cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
     p = 1
-    with RedisServer(appendonly=False) as srv:
-        store_run_config(srv.url, "bench", cfg)
-        proc = subprocess.Popen([sys.executable, "-m", "workers.syncer", "--redis-url", srv.url,
+    with contextlib.ExitStack() as stack:
+        admin, learner_url, syncer_args, sec = _servers(stack, secure, "bench",
+                                                        [f"L{m}" for m in range(M)])
+        store_run_config(admin, "bench", cfg)
+        proc = subprocess.Popen([sys.executable, "-m", "workers.syncer", *syncer_args,
                                  "--run", "bench", "--fragments", str(p)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            r = connect(srv.url)
+            r = connect(learner_url)  # pushes and heartbeats with a learner's credential
             keys = RunKeys("bench")
             streams = FragmentStreams(r, keys)
             deadline = time.monotonic() + 120
@@ -164,19 +181,24 @@ def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
                     raise RuntimeError("the syncer did not start")
                 time.sleep(0.05)
             zctx = zmq.Context()
-            sub = Subscriber(zctx, [p])
+            sub = Subscriber(zctx, [p], curve=sec.curve_client("L0") if sec else None)
             sub.connect(registry.endpoints(r, keys))
             time.sleep(0.5)  # let the subscription reach the publisher (slow joiner)
             payloads = [_fragment_delta(cfg, p, seed) for seed in range(min(M, 8))]
+            wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / len(payloads) / 1e6
+            sign = {f"L{m}": sec.sign_key(f"L{m}") for m in range(M)} if sec else {}
             for m in range(M):
                 registry.heartbeat(r, keys, f"L{m}", Heartbeat(step_s=1.0), ttl_s=600)
             lat = []
             version = 0
             rss_before = _rss_peak(proc.pid)
+            t_start = time.perf_counter()
             for rnd in range(rounds):
                 for m in range(M):
-                    streams.push(p, entry(cfg, f"L{m}", p, version, rnd + 1,
-                                          payloads[m % len(payloads)]))
+                    fields = entry(cfg, f"L{m}", p, version, rnd + 1, payloads[m % len(payloads)])
+                    if sign:
+                        fields = signing.signed(sign[f"L{m}"], "bench", fields)
+                    streams.push(p, fields)
                 t_last = time.perf_counter()
                 while True:
                     msg = sub.recv(30_000)
@@ -186,6 +208,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
                         break
                 lat.append(time.perf_counter() - t_last)
                 version = msg[0].version
+            elapsed = time.perf_counter() - t_start
             peak = _rss_peak(proc.pid)
             sub.close()
             zctx.term()
@@ -193,7 +216,9 @@ def _syncer_run(M: int, rounds: int, *, latency: bool) -> dict:
             proc.kill()
             proc.wait()
     out = {"pushers": M, "rounds": rounds, "fragment_params": _frag_params(cfg, p),
-           "syncer_peak_rss_mb": peak / 2**20, "syncer_rss_after_start_mb": rss_before / 2**20}
+           "syncer_peak_rss_mb": peak / 2**20, "syncer_rss_after_start_mb": rss_before / 2**20,
+           "entry_wire_mb": wire_mb,
+           "throughput_mb_s": rounds * M * wire_mb / elapsed}  # push → merged value out
     if latency:
         lat_ms = np.array(lat) * 1000
         out.update({"latency_ms_p50": float(np.percentile(lat_ms, 50)),
@@ -260,40 +285,53 @@ def bench_overlap_library(quick: bool = False) -> dict:
 
 
 def _overlap(base: RunConfig, learner_cmd: list[str], quick: bool, env: dict | None = None,
-             syncer_args: list[str] | None = None) -> dict:
+             syncer_args: list[str] | None = None, modes: tuple[str, ...] = ("on", "off")
+             ) -> dict:
+    """Steady steps/s of one learner per mode: "on" (syncing), "off" (``--no-sync``),
+    "secure" (syncing over TLS with ACL users, CURVE and signed contributions)."""
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     steps = base.steps
     env = {**os.environ, **(env or {})}
-    rates: dict[str, list[float]] = {"on": [], "off": []}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(1 if quick else 2):
-        for mode in ("on", "off"):
-            with tempfile.TemporaryDirectory() as d:
-                srv = RedisServer(workdir=d, appendonly=True)
-                srv.start()
+        for mode in modes:
+            run = f"overlap-{mode}-{rep}"
+            with contextlib.ExitStack() as stack:
+                if mode == "secure":
+                    admin, _, redis_args, sec = _servers(stack, True, run, ["L0"])
+                    srv = sec.server
+                else:
+                    sec, srv = None, stack.enter_context(RedisServer(appendonly=True))
+                    admin, redis_args = srv.url, ["--redis-url", srv.url]
+                if pin:
+                    subprocess.run(["taskset", "-pc", "1", str(srv.proc.pid)],
+                                   capture_output=True, check=False)
+                store_run_config(admin, run, base)
+                cpu1 = ["taskset", "-c", "1"] if pin else []
+                cpu0 = ["taskset", "-c", "0"] if pin else []
+                syncer = subprocess.Popen([*cpu1, sys.executable, "-m", "workers.syncer",
+                                           *redis_args, "--run", run, *(syncer_args or [])],
+                                          stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, env=env)
+                learner_args = sec.learner_args("L0") if sec else ["--redis-url", srv.url]
+                learner = subprocess.Popen(
+                    [*cpu0, *learner_cmd, *learner_args, "--run", run, "--id", "L0",
+                     *(["--no-sync"] if mode == "off" else [])],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
                 try:
-                    if pin:
-                        subprocess.run(["taskset", "-pc", "1", str(srv.proc.pid)],
-                                       capture_output=True, check=False)
-                    run = f"overlap-{mode}-{rep}"
-                    store_run_config(srv.url, run, base)
-                    args = ["--redis-url", srv.url, "--run", run]
-                    cpu1 = ["taskset", "-c", "1"] if pin else []
-                    cpu0 = ["taskset", "-c", "0"] if pin else []
-                    syncer = subprocess.Popen([*cpu1, sys.executable, "-m", "workers.syncer",
-                                               *args, *(syncer_args or [])],
-                                              stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, env=env)
-                    learner = subprocess.Popen(
-                        [*cpu0, *learner_cmd, *args, "--id", "L0",
-                         *([] if mode == "on" else ["--no-sync"])],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
                     learner.wait(1800)
                     syncer.wait(120)
-                    r = connect(srv.url)
-                    reports = registry.learner_final_reports(r, RunKeys(run))
-                    rates[mode].append(reports["L0"].steps_per_s)
                 finally:
-                    srv.stop()
+                    for proc in (learner, syncer):
+                        if proc.poll() is None:
+                            proc.kill()
+                r = connect(admin)
+                reports = registry.learner_final_reports(r, RunKeys(run))
+                rates[mode].append(reports["L0"].steps_per_s)
+    if "off" not in rates:
+        return {"steps": steps, "pinned": pin, **{f"steps_per_s_{m}": statistics.mean(v)
+                                                  for m, v in rates.items()},
+                "runs": rates}
     on, off = statistics.mean(rates["on"]), statistics.mean(rates["off"])
     return {"bench": "overlap", "learners": 1, "steps": steps, "pinned": pin,
             "model": dataclasses.asdict(base.model), "sync": dataclasses.asdict(
@@ -302,3 +340,26 @@ def _overlap(base: RunConfig, learner_cmd: list[str], quick: bool, env: dict | N
             "runs_on": rates["on"], "runs_off": rates["off"],
             "note": "learner on CPU 0, syncer + redis-server on CPU 1; steady-state rate "
                     "(the first, compiling step excluded)"}
+
+
+def bench_security(quick: bool = False) -> dict:
+    """The cost of security, side by side in one run: round latency p50/p99 and throughput
+    through a real syncer process (4 pushers, 4 MB fragments), and one learner's steady
+    step rate while syncing (the overlap set-up), each open vs TLS + ACL users + CURVE +
+    signed contributions (`ops.cluster.SecureSetup`)."""
+    rounds = 10 if quick else 60
+    out: dict = {"bench": "security"}
+    for mode in ("open", "secure"):
+        out[f"latency_{mode}"] = _syncer_run(4, rounds, latency=True, secure=mode == "secure")
+    steps = 300 if quick else 1500
+    base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps,
+                           **{"sync.quorum": 1})
+    out["overlap"] = _overlap(base, [sys.executable, "-m", "workers.learner"], quick,
+                              modes=("on", "secure"))
+    lo, ls = out["latency_open"], out["latency_secure"]
+    out["throughput_ratio"] = ls["throughput_mb_s"] / lo["throughput_mb_s"]
+    out["latency_p50_ratio"] = ls["latency_ms_p50"] / lo["latency_ms_p50"]
+    out["latency_p99_ratio"] = ls["latency_ms_p99"] / lo["latency_ms_p99"]
+    ov = out["overlap"]
+    out["overlap_ratio"] = ov["steps_per_s_secure"] / ov["steps_per_s_on"]
+    return out

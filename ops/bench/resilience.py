@@ -138,6 +138,7 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
 
 
 POISON_VARIANTS = ("clean", "clean (again)", "clean M=3 (the honest learners alone)",
+                   "clean, L3 not syncing (its shard unused)",
                    "10⁴× norm: guard on", "10⁴× norm: guard off", "10⁴× tokens: guard on",
                    "10⁴× tokens: guard off")
 
@@ -159,6 +160,8 @@ def poison(out: Path, names: list[str] | None = None, *, steps: int = 1000, pace
         args, cfg = None, base
         if "M=3" in name:
             cfg = cfgmod.override(base, learners=3)
+        elif "not syncing" in name:
+            args = {"L3": ["--no-sync"]}
         elif not name.startswith("clean"):
             kind = "norm" if "norm" in name else "tokens"
             args = {"L3": ["--poison", kind, "--poison-scale", "1e4"]}

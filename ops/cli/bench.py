@@ -1,4 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|s1|s2|poison`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|security|s1|s2|
+poison`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -22,7 +23,9 @@ _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on 
              ("islands", islands.bench_islands, "a 4-device island vs 4 one-device learners"),
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
-             ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"))
+             ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"),
+             ("security", pipeline.bench_security,
+              "TLS + ACL + CURVE + signatures vs open: latency, throughput, overlap"))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import redis
 
-from broker import acl, signing
+from broker import acl
 from broker.connection import connect, redact
 from broker.keys import check_run_name
 from ops.cli.common import fail, fail_on
+from ops.cluster import write_keys, write_role_urls
 from workers.common import add_redis_args
 
 
@@ -49,13 +49,7 @@ def _acl(args: argparse.Namespace) -> int:
     users = acl.new_users(run)
     out = Path(args.out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        for u in users:
-            path = out / f"{u.role}.url"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(u.url(args.url) + "\n")
-            os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+        write_role_urls(out, users, args.url)
     except OSError as e:
         return fail(f"--out {out}: {e.strerror or e}")
     for u in users:
@@ -80,57 +74,9 @@ def _keys(args: argparse.Namespace) -> int:
                     f"{args.learners!r}")
     out = Path(args.out)
     try:
-        made = curve_keys(out, ids, syncer=not args.add)
+        made = write_keys(out, ids, syncer=not args.add)
     except (OSError, ValueError) as e:
         return fail(f"--out {out}: {e}")
     for line in made:
         print(line)
     return 0
-
-
-def curve_keys(out: Path, ids: list[str], syncer: bool = True) -> list[str]:
-    """Write the run's CURVE keys under `out`; return what went where (one line each)."""
-    out.mkdir(parents=True, exist_ok=True)
-    old_umask = os.umask(0o077)  # secret files are never readable by others, not even briefly
-    try:
-        return _write_keys(out, ids, syncer)
-    finally:
-        os.umask(old_umask)
-
-
-def _write_keys(out: Path, ids: list[str], syncer: bool) -> list[str]:
-    import shutil
-
-    import zmq.auth
-
-    lines = []
-    if syncer:
-        if (out / "syncer.key_secret").exists():
-            raise ValueError("syncer.key_secret exists (use --add to add learners)")
-        public, secret = zmq.auth.create_certificates(str(out), "syncer")
-        os.chmod(secret, 0o600)
-        os.chmod(public, 0o644)
-        lines += [f"{out}/syncer.key_secret   every syncer host (--curve-secret), mode 600",
-                  f"{out}/syncer.key          every learner host (--curve-server-key)"]
-    elif not (out / "syncer.key").exists():
-        raise ValueError("no syncer.key there to add learners to")
-    for d in ("learners", "allow", "signers"):
-        (out / d).mkdir(exist_ok=True)
-    for lid in ids:
-        if (out / "learners" / f"{lid}.key_secret").exists():
-            raise ValueError(f"learners/{lid}.key_secret exists")
-        public, secret = zmq.auth.create_certificates(str(out / "learners"), lid)
-        os.chmod(secret, 0o600)
-        key = signing.new_key()
-        signing.write_key(out / "learners" / f"{lid}.sign", key)
-        signing.write_key(out / "signers" / f"{lid}.sign", key)
-        shutil.copy(public, out / "allow" / f"{lid}.key")
-        os.chmod(out / "allow" / f"{lid}.key", 0o644)
-        os.chmod(public, 0o644)
-        lines.append(f"{out}/learners/{lid}.key_secret   learner {lid}'s host (--curve-secret)")
-        lines.append(f"{out}/learners/{lid}.sign   learner {lid}'s host (--sign-key)")
-    lines.append(f"{out}/allow/                 every syncer host (--curve-allow)")
-    lines.append(f"{out}/signers/               every syncer host (--sign-keys), mode 600; a "
-                 f"learner is revoked by deleting its files in allow/ and signers/ there and "
-                 f"restarting the syncers")
-    return lines

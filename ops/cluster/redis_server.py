@@ -99,7 +99,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """The URL of the server's admin (the ``default`` user with the password, if any)."""
         auth = f"default:{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return self.address_url(auth)
+
+    def address_url(self, auth: str = "") -> str:
+        """The server's URL (with TLS settings) for the user and password in `auth`
+        (``user:password@``; empty: none)."""
         if self.tls is None:
             return f"redis://{auth}127.0.0.1:{self.port}/0"
         return f"rediss://{auth}127.0.0.1:{self.port}/0?" + urllib.parse.urlencode(

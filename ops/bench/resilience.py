@@ -138,7 +138,7 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
 
 
 POISON_VARIANTS = ("clean", "clean (again)", "clean M=3 (the honest learners alone)",
-                   "clean, L3 not syncing (its shard unused)",
+                   "clean with L3 not syncing (its shard unused)",
                    "10⁴× norm: guard on", "10⁴× norm: guard off", "10⁴× tokens: guard on",
                    "10⁴× tokens: guard off")
 

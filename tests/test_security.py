@@ -470,3 +470,38 @@ def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_pat
     (tmp_path / "bad.sign").write_text("zz")
     with pytest.raises(ValueError, match="not a signing key"):
         signing.Verifier(tmp_path)
+
+
+# -- security on by default --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "loopback"), [
+    ("redis://127.0.0.1:6379/0", True), ("redis://localhost/0", True),
+    ("redis://[::1]:6379/0", True), ("unix:///tmp/redis.sock", True),
+    ("redis://127.8.9.10:1/0", True), ("redis://10.0.0.5:6379/0", False),
+    ("rediss://redis.example.org:6380/0", False),
+])
+def test_what_counts_as_this_host(url, loopback):
+    from workers.common import is_loopback, security_missing
+
+    assert is_loopback(url) == loopback
+    assert bool(security_missing(url, curve=False, signed=False)) == (not loopback)
+
+
+def test_roles_refuse_a_remote_redis_without_security_unless_told(tmp_path):
+    remote = "redis://10.255.255.1:6379/0"  # never contacted: refused before connecting
+    for role in ("learner", "syncer"):
+        out = subprocess.run([sys.executable, "-m", f"workers.{role}", "--redis-url", remote,
+                              "--run", "r"], capture_output=True, text=True, timeout=60,
+                             cwd=REPO)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "is on another host" in out.stderr and "--insecure" in out.stderr
+        assert "Traceback" not in out.stderr
+    ran = _cli("run", "--redis-url", remote, "--run", "r")
+    assert ran.returncode == 2 and "is on another host" in ran.stderr
+    from workers.common import security_missing
+
+    ok = "rediss://diloco-r-learner:pw@10.0.0.5:6380/0"
+    assert security_missing(ok, curve=True, signed=True) == []
+    assert security_missing(ok.replace("diloco-r-learner", "default"), curve=True,
+                            signed=True) == ["an ACL user in the URL (diloco acl)"]

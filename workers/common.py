@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import glob
 import io
+import ipaddress
 import os
 import sys
 import time
 import tomllib
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +20,59 @@ import redis
 
 from broker import codec, registry
 from broker.archive import fsync_dir
-from broker.connection import URL_ENV, connect, url_from_env
+from broker.connection import URL_ENV, connect, redact, url_from_env
 from broker.keys import RunKeys
 from pipeline import config as cfgmod
 from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Task, TaskNotNamed, param_spec, spec_task, task_of
+
+INSECURE_ENV = "DILOCO_INSECURE"  # "1": roles may run open against a Redis on another host
+
+
+def is_loopback(url: str) -> bool:
+    """True when `url` reaches a Redis on this host (loopback address or a Unix socket)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "unix":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def security_missing(url: str, *, curve: bool, signed: bool) -> list[str]:
+    """What a role lacks to run against a Redis on another host (docs/SECURITY.md): a TLS URL
+    with an ACL user, ZeroMQ CURVE, signed contributions. Empty on loopback."""
+    if is_loopback(url):
+        return []
+    parts = urllib.parse.urlsplit(url)
+    missing = []
+    if parts.scheme != "rediss":
+        missing.append("a rediss:// (TLS) Redis URL")
+    if not parts.username or parts.username == "default":
+        missing.append("an ACL user in the URL (diloco acl)")
+    if not curve:
+        missing.append("ZeroMQ CURVE keys (--curve-…)")
+    if not signed:
+        missing.append("signing keys (--sign-key / --sign-keys)")
+    return missing
+
+
+def require_security(url: str, *, curve: bool, signed: bool, insecure: bool) -> None:
+    """Security is on by default against a Redis on another host: refuse (exit 2, one line)
+    unless the role has it all, or `insecure` (``--insecure``, ``$DILOCO_INSECURE=1``)."""
+    if insecure or os.environ.get(INSECURE_ENV) == "1":
+        return
+    missing = security_missing(url, curve=curve, signed=signed)
+    if missing:
+        usage_error(f"the Redis at {redact(url)} is on another host, and this process has no "
+                    f"{', no '.join(missing)}; set them up (docs/SECURITY.md) or pass "
+                    f"--insecure to run open on a network you control")
 
 
 def usage_error(message: str) -> None:

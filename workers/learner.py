@@ -32,6 +32,7 @@ from workers.common import (
     apply_environment,
     enable_compile_cache,
     open_run,
+    require_security,
     usage_error,
 )
 from workers.island import Island, IslandConfig
@@ -181,6 +182,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sign-key", metavar="FILE",
                     help="sign every contribution with this learner's key (learners/ID.sign "
                          "from diloco keys); syncers started with --sign-keys require it")
+    ap.add_argument("--insecure", action="store_true",
+                    help="run without TLS, ACL user, CURVE and signatures against a Redis on "
+                         "another host (refused by default)")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--poison", default="", choices=("", *POISONS), help=argparse.SUPPRESS)
@@ -210,6 +214,8 @@ def _sign_key(path: str | None) -> bytes | None:
 
 
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
+    require_security(a.redis_url, curve=bool(a.curve_secret), signed=bool(a.sign_key),
+                     insecure=a.insecure or a.no_sync)
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
                          not a.no_sync, state_dir=a.state_dir,
                          checkpoint_every=a.checkpoint_every,

@@ -41,6 +41,7 @@ from workers.common import (
     apply_environment,
     decode_values,
     open_run,
+    require_security,
     usage_error,
 )
 
@@ -677,6 +678,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sign-keys", metavar="DIR",
                     help="require signed contributions: folder of the learners' signing keys "
                          "(signers/ID.sign from diloco keys); anything else is dead-lettered")
+    ap.add_argument("--insecure", action="store_true",
+                    help="run without TLS, ACL user, CURVE and signatures against a Redis on "
+                         "another host (refused by default)")
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
@@ -690,6 +694,8 @@ def curve_server(secret: str | None, allow: str | None) -> CurveServer | None:
 
 
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
+    require_security(a.redis_url, curve=bool(a.curve_secret), signed=bool(a.sign_keys),
+                     insecure=a.insecure)
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -29,7 +30,7 @@ from ops.cluster import (
 from ops.tools import snapshot
 from pipeline import config as cfgmod
 from pipeline.config import ConfigError
-from workers.common import add_redis_args
+from workers.common import INSECURE_ENV, add_redis_args, is_loopback
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "inprocess: one process on a virtual clock")
     add_redis_args(p, required=False,
                    help="use this Redis instead of starting an embedded one")
+    p.add_argument("--insecure", action="store_true",
+                   help="let the run's processes use a Redis on another host without TLS, "
+                        "ACL users, CURVE and signatures (refused by default)")
     p.add_argument("--run", default=None, help="run name (default: a timestamp)")
     p.add_argument("--out", default="runs", help="folder for run output (default: runs/)")
     p.add_argument("--init-only", action="store_true",
@@ -72,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.init_only:
         return _init_only(cfg, run_name, args.redis_url)
     else:
+        if args.insecure:  # the roles' check (workers.common.require_security) reads it
+            os.environ[INSECURE_ENV] = "1"
+        elif args.redis_url and not is_loopback(args.redis_url):
+            return fail(f"the Redis at {redact(args.redis_url)} is on another host: diloco run "
+                        f"starts its processes without TLS, ACL users, CURVE or signatures; "
+                        f"pass --insecure to run open on a network you control, or run the "
+                        f"roles as in docs/SECURITY.md")
         with LiveView(mode="quiet" if quiet else "auto",
                       title=f"{run_name}: {cfg.mode}, M={cfg.learners}") as view:
             def progress(la: Launcher, t_s: float) -> None:

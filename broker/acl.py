@@ -3,10 +3,11 @@
 =========  ===================================================================================
 role       may
 =========  ===================================================================================
-learner    append to the run's fragment streams (and read them back: a restarted learner checks
-           which of its pushes arrived); write its heartbeat (the ``learners`` hash, its
-           ``hb:<id>`` key), events and end-of-run reports; read the configuration, the syncer
-           endpoints, global values and snapshots, its refusals, the stop/finish flags.
+learner    append to the run's fragment streams with XADD only (and read them back: a
+           restarted learner checks which of its pushes arrived); write its heartbeat (the
+           ``learners`` hash, its ``hb:<id>`` key), events and end-of-run reports; read the
+           configuration, the syncer endpoints, global values and snapshots, its refusals,
+           the stop/finish flags.
            Nothing else: no syncer state, leases, round records, dead letters, configuration
            writes, or any key of another run.
 syncer     every fragment key of the run (streams, consumer group, state, global values,
@@ -35,8 +36,9 @@ from broker.keys import PREFIX, RunKeys, check_run_name
 
 ROLES = ("learner", "syncer", "reader", "operator")
 
+# FUNCTION FLUSH/DELETE/LOAD/RESTORE are @write (server-wide): out with the rest of FUNCTION
 _DATA = ["+@read", "+@write", "+@stream", "+@hash", "+@string", "+@keyspace",
-         "+@transaction", "-@dangerous", "-@admin"]
+         "+@transaction", "-@dangerous", "-@admin", "-function"]
 
 
 def user_name(run: str, role: str) -> str:
@@ -62,18 +64,34 @@ def key_rules(run: str, role: str) -> list[str]:
                 f"~{keys.syncers}", f"~{keys.events}", f"~{keys.done}", f"~{keys.refused}",
                 f"~{frag}:*"]
     return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}",
-            f"%R~{frag}:global", f"%R~{frag}:sent:*", f"~{frag}:frags",
+            f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
             f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
             f"%W~{keys.events}"]
+
+
+def selectors(run: str, role: str) -> list[str]:
+    """Redis 7 selectors: rights on other keys than the root rules', each for a few commands.
+    A learner may only XADD to the fragment streams (not XACK, XDEL, XTRIM, XGROUP, XCLAIM,
+    XREADGROUP or DEL: the syncers' consumer group is theirs)."""
+    if role != "learner":
+        return []
+    return [f"(~{PREFIX}:{{{run}/f*}}:frags +xadd)"]
 
 
 def rules(run: str, role: str) -> list[str]:
     """Every rule of `role` after its password: on, reset, commands, keys, no channels."""
     commands = (["-@all", "+@connection", "+@read", "-@dangerous", "-@admin"]
                 if role == "reader" else
-                ["-@all", "+@connection", *_DATA, *(["+@scripting"] if role in (
-                    "syncer", "operator") else [])])
-    return ["on", "resetpass", "resetkeys", "resetchannels", *commands, *key_rules(run, role)]
+                ["-@all", "+@connection", *_DATA, *(
+                    # the lease script (EVALSHA, loaded by SCRIPT LOAD); not @scripting, which
+                    # holds server-wide SCRIPT FLUSH and FUNCTION DELETE
+                    ["+eval", "+evalsha", "+script|load"] if role in ("syncer", "operator")
+                    # the consumer-group commands whose key spec only asks for read access
+                    # (XREADGROUP is "RO" in Redis 7.0): not a learner's business
+                    else ["-xreadgroup", "-xautoclaim", "-xclaim", "-xack", "-xgroup",
+                          "-xsetid"])])
+    return ["on", "resetpass", "resetkeys", "resetchannels", "clearselectors", *commands,
+            *key_rules(run, role), *selectors(run, role)]
 
 
 @dataclass(frozen=True)
@@ -104,5 +122,5 @@ def new_users(run: str) -> list[RoleUser]:
 
 def command_line(args: list[str]) -> str:
     """One redis-cli line of `args` (quoted where needed)."""
-    return " ".join(a if a and all(c.isalnum() or c in "-_:@#%~*/.+>{}"
+    return " ".join(a if a and all(c.isalnum() or c in "-_:@#%~*/.+>{}|"
                                    for c in a) else f'"{a}"' for a in args)

@@ -49,9 +49,12 @@ def redact(url: str) -> str:
             query = urllib.parse.urlencode(
                 [(k, "***" if "pass" in k.lower() else v)
                  for k, v in urllib.parse.parse_qsl(query, keep_blank_values=True)],
-                safe="*")
+                safe="*/:")
+        rest = url.split("://", 1)[-1]
+        if "@" in rest and "@" not in parts.netloc:
+            return "***"  # a userinfo the parser did not see (a '#', '/' or '?' in it)
         if netloc == parts.netloc and query == parts.query:
-            return "***" if "@" in url and not parts.netloc else url
+            return url
         return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else ""))
     except ValueError:
         return "***" if "@" in url else url

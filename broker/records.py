@@ -513,6 +513,7 @@ class FinalPushes(_JsonRecord):
     final: list[int] = field(default_factory=list)
     steps: int = 0
     tokens: int = 0
+    sig: str = ""  # the learner's signature (broker/signing.py), when it signs
 
 
 @dataclass(frozen=True)
@@ -532,6 +533,7 @@ class LearnerFinal(_JsonRecord):
     step_s: float = 0.0
     train_s: float = 0.0
     steps_per_s: float = 0.0
+    sig: str = ""  # the learner's signature (broker/signing.py), when it signs
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import logging
 import os
 import secrets
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from broker.ids import as_text
+
+log = logging.getLogger("diloco.signing")
 
 SIG_FIELD = "sig"
 KEY_BYTES = 32
@@ -63,6 +70,18 @@ def signed(key: bytes, run: str, fields: dict) -> dict:
     return {**fields, SIG_FIELD: sign(key, run, fields)}
 
 
+def _record_message(run: str, kind: str, learner: str, rec: Any) -> bytes:
+    body = {k: v for k, v in rec.to_dict().items() if k != SIG_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return _message(run, {"kind": kind, "learner": learner, "record": text})
+
+
+def sign_record(key: bytes, run: str, kind: str, learner: str, rec: Any) -> Any:
+    """`rec` (a report of `broker.records` with a ``sig`` field) signed by its learner."""
+    sig = hmac.new(key, _record_message(run, kind, learner, rec), hashlib.sha256).hexdigest()
+    return replace(rec, sig=sig)
+
+
 class Verifier:
     """The syncer's learner keys: a folder of ``<learner>.sign`` files (re-read when an
     unknown learner shows up, at most every `rescan_s`, so learners can be added live)."""
@@ -77,13 +96,37 @@ class Verifier:
             raise ValueError(f"no learner signing keys (*.sign) in {self.folder}")
 
     def _load(self) -> None:
-        import time
-
+        """(Re)read the folder; a file being copied in or a bad one is skipped (logged), and a
+        folder that is briefly gone or empty keeps the keys already known."""
         self._scanned = time.monotonic()
         keys = {}
-        for path in sorted(self.folder.glob("*.sign")):
-            keys[path.stem] = read_key(path)
-        self._keys = keys
+        try:
+            paths = sorted(self.folder.glob("*.sign"))
+        except OSError as e:
+            log.warning("cannot list %s (%s); keeping the %d keys known", self.folder, e,
+                        len(self._keys))
+            return
+        for path in paths:
+            try:
+                keys[path.stem] = read_key(path)
+            except (OSError, ValueError) as e:
+                log.warning("signing key %s skipped: %s", path, e)
+        if keys or not self._keys:
+            self._keys = {**keys} if keys else self._keys
+
+    def knows(self, learner: str) -> bool:
+        """True when `learner` has a signing key here (re-reading the folder at most every
+        `rescan_s`)."""
+        if learner not in self._keys and time.monotonic() - self._scanned > self.rescan_s:
+            self._load()
+        return learner in self._keys
+
+    def record_ok(self, run: str, kind: str, learner: str, rec: Any) -> bool:
+        """True when `rec` (a learner's report) is signed by `learner`'s key."""
+        if not self.knows(learner) or not getattr(rec, SIG_FIELD, ""):
+            return False
+        want = sign_record(self._keys[learner], run, kind, learner, rec).sig
+        return hmac.compare_digest(want.encode(), str(rec.sig).encode())
 
     def verify(self, run: str, fields: Mapping) -> str:
         """The learner an entry is from, once its signature checks.
@@ -91,16 +134,11 @@ class Verifier:
         Raises:
             SignatureError: With the reason (unsigned, unknown learner, bad signature).
         """
-        import time
-
         learner = as_text(fields.get(b"learner", fields.get("learner", b"")))
         got = fields.get(SIG_FIELD.encode(), fields.get(SIG_FIELD))
         if got is None:
             raise SignatureError("unsigned entry")
-        key = self._keys.get(learner)
-        if key is None and time.monotonic() - self._scanned > self.rescan_s:
-            self._load()
-            key = self._keys.get(learner)
+        key = self._keys[learner] if self.knows(learner) else None
         if key is None:
             raise SignatureError(f"no signing key for learner {learner[:64]!r}")
         got = got if isinstance(got, bytes) else str(got).encode()
@@ -114,10 +152,24 @@ def new_key() -> bytes:
 
 
 def write_key(path: Path, key: bytes) -> None:
-    """Write a key file (hex, mode 600 from the start)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Write a key file (hex, mode 600 from the start; never over an existing file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(key.hex() + "\n")
+
+
+def write_private(path: str | Path, text: str) -> None:
+    """Write a secret file: a new temporary file, mode 600 from its creation (no symlink
+    followed), renamed over `path` — an existing file's mode never applies to the secret."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_key(path: str | Path) -> bytes:

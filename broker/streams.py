@@ -128,10 +128,12 @@ class FragmentStreams:
         if ids:
             self.r.xclaim(self.keys.fragment(p).frags, GROUP, consumer, 0, ids, justid=True)
 
-    def dead_letter(self, p: int, entry: Entry, reason: str) -> None:
-        """Move an entry to the fragment's DLQ with its reason, and acknowledge it, atomically."""
+    def dead_letter(self, p: int, entry: Entry, reason: str, keep_payload: bool = True) -> None:
+        """Move an entry to the fragment's DLQ with its reason, and acknowledge it, atomically
+        (without its payload when not `keep_payload`: a flood of forged entries does not
+        double in the DLQ)."""
         fk = self.keys.fragment(p)
-        fields = {k: v for k, v in entry.fields.items()}
+        fields = {k: v for k, v in entry.fields.items() if keep_payload or k != b"payload"}
         fields.update({b"dlq_reason": reason.encode(), b"dlq_source_id": entry.entry_id.encode()})
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(fk.dlq, fields, maxlen=self.max_entries, approximate=True)

@@ -253,7 +253,9 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
                       str(tmp_path / "acl" / "reader.url"))
         assert status.returncode == 0, status.stderr[-2000:]
         finals = registry.learner_final_reports(connect(url["reader"]), RunKeys("sec"))
-        assert sorted(finals) == ["L0", "L1", "L2"]
+        assert sorted(finals) == ["L0", "L1", "L2", "g1", "g2", "g3"]  # ghosts: ignored
+        finals = {n: f for n, f in finals.items() if n.startswith("L")}
+        assert all(f.sig for f in finals.values()) and all(f.steps == 30 for f in finals.values())
         assert len({json.dumps(f.hashes, sort_keys=True) for f in finals.values()}) == 1
         assert max(v for f in finals.values() for v in f.versions) < 1000  # no forged value
         # every injected entry is dead-lettered with its reason, no real push was refused
@@ -287,6 +289,16 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
             "learner GET state": lambda: learner.get(f0.state),
             "learner XADD other run": lambda: learner.xadd(other.fragment(0).frags, {"a": 1}),
             "learner FLUSHALL": lambda: learner.flushall(),
+            "learner XACK frags": lambda: learner.xack(f0.frags, "syncers", "0-1"),
+            "learner XDEL frags": lambda: learner.xdel(f0.frags, "0-1"),
+            "learner XTRIM frags": lambda: learner.xtrim(f0.frags, maxlen=0),
+            "learner DEL frags": lambda: learner.delete(f0.frags),
+            "learner XGROUP SETID": lambda: learner.xgroup_setid(f0.frags, "syncers", "$"),
+            "learner XREADGROUP": lambda: learner.xreadgroup("syncers", "x",
+                                                             {f0.frags: ">"}, count=1),
+            "learner XCLAIM": lambda: learner.xclaim(f0.frags, "syncers", "x", 0, ["0-1"]),
+            "syncer SCRIPT FLUSH": lambda: syncer.script_flush(),
+            "syncer FUNCTION FLUSH": lambda: syncer.function_flush(),
             "learner KEYS": lambda: learner.keys("*"),
             "learner CONFIG": lambda: learner.config_get("requirepass"),
             "reader XADD frags": lambda: reader.xadd(f0.frags, {"a": 1}),
@@ -322,6 +334,15 @@ def _inject_forged_entries(learner_url: str, reader_url: str, kdir: Path) -> dic
         "L0", 0, delta, step=998)))] = "bad signature"
     out[streams.push(0, signing.signed(other_key, "sec", contribution_fields(
         "L9", 0, delta, step=997)))] = "no signing key"
+    # ghosts in the shared hashes the learner user may write: end-of-run reports that would
+    # end the run at once, and live learners with a tiny step time
+    from broker.records import FinalPushes, Heartbeat, LearnerFinal
+
+    lr = connect(learner_url)
+    for ghost in ("g1", "g2", "g3"):
+        registry.mark_final_pushes(lr, ctx.keys, ghost, FinalPushes([], 1, 1))
+        registry.mark_learner_final(lr, ctx.keys, ghost, LearnerFinal())
+        registry.heartbeat(lr, ctx.keys, ghost, Heartbeat(step_s=1e-6), ttl_s=600)
     good = signing.read_key(kdir / "learners" / "L2.sign")
     forged = signing.signed(good, "sec", contribution_fields("L2", 0, delta, step=996))
     forged["tokens"] = 10**9  # a signed entry altered on the way
@@ -467,9 +488,22 @@ def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_pat
         v.verify("run", {**wire, b"learner": b"L7"})
     with pytest.raises(signing.SignatureError, match="bad signature"):
         v.verify("run", {**wire, b"sig": "ü".encode()})
-    (tmp_path / "bad.sign").write_text("zz")
-    with pytest.raises(ValueError, match="not a signing key"):
+    (tmp_path / "bad.sign").write_text("zz")  # a file being copied in: skipped, not fatal
+    assert signing.Verifier(tmp_path).verify("run", wire) == "L0"
+    (tmp_path / "L0.sign").unlink()
+    with pytest.raises(ValueError, match="no learner signing keys"):
         signing.Verifier(tmp_path)
+    # end-of-run reports are signed too; another learner's name or an edit breaks them
+    from broker.records import FinalPushes
+
+    signing.write_key(tmp_path / "L1.sign", key)
+    v = signing.Verifier(tmp_path)
+    rep = signing.sign_record(key, "run", "final-pushes", "L1", FinalPushes([0, 1], 10, 99))
+    assert v.record_ok("run", "final-pushes", "L1", rep)
+    assert not v.record_ok("run", "final-pushes", "L2", rep)
+    assert not v.record_ok("run", "final", "L1", rep)
+    assert not v.record_ok("run", "final-pushes", "L1", FinalPushes([0, 1], 10, 99))
+    assert not v.record_ok("run", "final-pushes", "L1", FinalPushes([0], 10, 99, rep.sig))
 
 
 # -- security on by default --------------------------------------------------------------------

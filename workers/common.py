@@ -33,10 +33,16 @@ INSECURE_ENV = "DILOCO_INSECURE"  # "1": roles may run open against a Redis on a
 
 def is_loopback(url: str) -> bool:
     """True when `url` reaches a Redis on this host (loopback address or a Unix socket)."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return False
     if parts.scheme == "unix":
         return True
-    host = parts.hostname or ""
+    return _loopback_host(parts.hostname or "")
+
+
+def _loopback_host(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -45,17 +51,29 @@ def is_loopback(url: str) -> bool:
         return False
 
 
-def security_missing(url: str, *, curve: bool, signed: bool) -> list[str]:
-    """What a role lacks to run against a Redis on another host (docs/SECURITY.md): a TLS URL
-    with an ACL user, ZeroMQ CURVE, signed contributions. Empty on loopback."""
-    if is_loopback(url):
-        return []
-    parts = urllib.parse.urlsplit(url)
+_NO_VERIFY = {"ssl_cert_reqs": {"none", "optional"}, "ssl_check_hostname": {"false", "0", "no"}}
+
+
+def security_missing(url: str, *, curve: bool, signed: bool, bind: str | None = None
+                     ) -> list[str]:
+    """What a role lacks to run against a Redis on another host, or (a syncer) to publish on
+    a non-loopback address (docs/SECURITY.md): a TLS URL that verifies the server, with an ACL
+    user; ZeroMQ CURVE; signed contributions. Empty when everything is on this host."""
+    bind_host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if bind and \
+        bind.startswith("tcp://") else None
+    remote_bind = bind_host is not None and not _loopback_host(bind_host)
     missing = []
-    if parts.scheme != "rediss":
-        missing.append("a rediss:// (TLS) Redis URL")
-    if not parts.username or parts.username == "default":
-        missing.append("an ACL user in the URL (diloco acl)")
+    if not is_loopback(url):
+        parts = urllib.parse.urlsplit(url)
+        query = {k.lower(): v.lower() for k, v in urllib.parse.parse_qsl(parts.query)}
+        if parts.scheme != "rediss":
+            missing.append("a rediss:// (TLS) Redis URL")
+        elif any(query.get(k) in bad for k, bad in _NO_VERIFY.items()):
+            missing.append("TLS certificate checks (the URL turns them off)")
+        if not parts.username or parts.username == "default":
+            missing.append("an ACL user in the URL (diloco acl)")
+    elif not remote_bind:
+        return []
     if not curve:
         missing.append("ZeroMQ CURVE keys (--curve-…)")
     if not signed:
@@ -63,16 +81,20 @@ def security_missing(url: str, *, curve: bool, signed: bool) -> list[str]:
     return missing
 
 
-def require_security(url: str, *, curve: bool, signed: bool, insecure: bool) -> None:
-    """Security is on by default against a Redis on another host: refuse (exit 2, one line)
-    unless the role has it all, or `insecure` (``--insecure``, ``$DILOCO_INSECURE=1``)."""
+def require_security(url: str, *, curve: bool, signed: bool, insecure: bool,
+                     bind: str | None = None) -> None:
+    """Security is on by default against a Redis on another host (or a syncer publishing on a
+    non-loopback address): refuse (exit 2, one line) unless the role has it all, or
+    `insecure` (``--insecure``, ``$DILOCO_INSECURE=1``)."""
     if insecure or os.environ.get(INSECURE_ENV) == "1":
         return
-    missing = security_missing(url, curve=curve, signed=signed)
+    missing = security_missing(url, curve=curve, signed=signed, bind=bind)
     if missing:
-        usage_error(f"the Redis at {redact(url)} is on another host, and this process has no "
-                    f"{', no '.join(missing)}; set them up (docs/SECURITY.md) or pass "
-                    f"--insecure to run open on a network you control")
+        where = (f"the Redis at {redact(url)} is on another host" if not is_loopback(url)
+                 else f"this syncer publishes on {bind}")
+        usage_error(f"{where}, and this process has no {', no '.join(missing)}; set them up "
+                    f"(docs/SECURITY.md) or pass --insecure to run open on a network you "
+                    f"control")
 
 
 def usage_error(message: str) -> None:
@@ -89,7 +111,8 @@ class _UrlFile(argparse.Action):
         try:
             lines = Path(value).read_text(encoding="utf-8").strip().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            parser.error(f"{option_string}: cannot read {value}: {e.strerror or e}")
+            parser.error(f"{option_string}: cannot read {value}: "
+                         f"{getattr(e, 'strerror', None) or e}")
         if not lines or not lines[0].strip():
             parser.error(f"{option_string}: {value} is empty")
         setattr(namespace, self.dest, lines[0].strip())

@@ -567,8 +567,9 @@ class Island:
                 self._send(push, final=True)
             if not self.net.wait_flushed(self.cfg.final_timeout_s):
                 raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
-        registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, FinalPushes(
-            final=[p.fragment for p in final], steps=self.step, tokens=self.tokens_done))
+        registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, self._signed(
+            "final-pushes", FinalPushes(final=[p.fragment for p in final], steps=self.step,
+                                        tokens=self.tokens_done)))
         hashes = {}
         if self.cfg.sync:
             versions = self._wait_final_versions(deadline)
@@ -596,9 +597,17 @@ class Island:
             bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
             pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
             step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s)
+        report = self._signed("final", report)
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
         return report
+
+    def _signed(self, kind: str, rec: Any) -> Any:
+        """An end-of-run report signed with this learner's key (syncers that verify count
+        only signed reports of learners they hold keys for)."""
+        if self.cfg.sign_key is None:
+            return rec
+        return signing.sign_record(self.cfg.sign_key, self.ctx.keys.run, kind, self.id, rec)
 
     def _forget_if_refused(self, p: int, f: Any) -> None:
         """The syncer refused the push in flight for fragment p (no merged value will come

@@ -201,13 +201,22 @@ class Syncer:
     def run_finished(self) -> bool:
         """True when the run is over: every learner has its final report and the final rounds
         of this syncer's fragments are recorded (a syncer started afterwards has no work)."""
-        reports = registry.learner_final_reports(self.ctx.r, self.ctx.keys)
+        reports = self._verified(registry.learner_final_reports(self.ctx.r, self.ctx.keys),
+                                 "final")
         if len(reports) < self.run_cfg.learners:
             return False
         closed: set[int] = set()
         for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
             closed |= {int(p) for p in rep.versions}
         return set(self.owned) <= closed
+
+    def _verified(self, reports: dict, kind: str) -> dict:
+        """With signed contributions on, the end-of-run reports signed by their learner's
+        key (a learner credential can write any field of the shared ``done`` hash)."""
+        if self.verifier is None:
+            return reports
+        return {n: rec for n, rec in reports.items()
+                if self.verifier.record_ok(self.ctx.keys.run, kind, n, rec)}
 
     def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
         state = unpack_state(blob, max_bytes=self._state_limit(), shapes=self._shapes(p))
@@ -281,9 +290,9 @@ class Syncer:
         return self._hasher.map(lambda e, s: None if s else _payload_digest(e, limit),
                                 entries, skip)
 
-    def _dead_letter(self, e: Entry, reason: str) -> None:
+    def _dead_letter(self, e: Entry, reason: str, keep_payload: bool = True) -> None:
         log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
-        self.streams.dead_letter(e.fragment, e, reason)
+        self.streams.dead_letter(e.fragment, e, reason, keep_payload)
         self.stats.dead_lettered += 1
         registry.event(self.ctx.r, self.ctx.keys, "dead-letter", fragment=e.fragment,
                        entry=e.entry_id, reason=reason)
@@ -296,7 +305,7 @@ class Syncer:
             try:
                 self.verifier.verify(self.ctx.keys.run, e.fields)
             except signing.SignatureError as err:
-                self._dead_letter(e, f"signature: {err}")
+                self._dead_letter(e, f"signature: {err}", keep_payload=False)
                 return
         if self._defer_unparsed(f, e):
             f.deferred.append(e)
@@ -378,6 +387,9 @@ class Syncer:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
             self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
             recs = registry.learner_records(self.ctx.r, self.ctx.keys)
+            if self.verifier is not None:  # only learners with keys count (no ghosts)
+                self.live = frozenset(n for n in self.live if self.verifier.knows(n))
+                recs = {n: rec for n, rec in recs.items() if self.verifier.knows(n)}
             self.known = frozenset(recs)
             self.declared = {n: rec.max_tokens_per_step for n, rec in recs.items()
                              if rec.max_tokens_per_step > 0}
@@ -537,7 +549,8 @@ class Syncer:
         entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
                                         block_ms=self.bcfg.block_ms)
         self._handle(entries)
-        pushed = registry.final_pushes(self.ctx.r, self.ctx.keys)
+        pushed = self._verified(registry.final_pushes(self.ctx.r, self.ctx.keys),
+                                "final-pushes")
         final = len(pushed) >= self.run_cfg.learners
         expected = {p: {n for n, rep in pushed.items() if p in rep.final}
                     for p in self.owned} if final else {}
@@ -695,7 +708,7 @@ def curve_server(secret: str | None, allow: str | None) -> CurveServer | None:
 
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
     require_security(a.redis_url, curve=bool(a.curve_secret), signed=bool(a.sign_keys),
-                     insecure=a.insecure)
+                     insecure=a.insecure, bind=a.bind)
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
     return SyncerConfig(a.redis_url, a.run, a.id, frags, a.bind, a.advertise_host, a.max_rounds,
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from broker.signing import write_private
 
 INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: "
                 "`sudo apt-get install -y redis-server`; macOS: `brew install redis`) or pass "
@@ -115,9 +116,7 @@ class RedisServer:
         conf = []
         if self.password is not None:
             path = self.workdir / "auth.conf"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(f'requirepass "{self.password}"\n')
+            write_private(path, f'requirepass "{self.password}"\n')
             conf = [str(path)]
         ports = ["--port", str(self.port)]
         if self.tls is not None:

@@ -22,11 +22,7 @@ def write_role_urls(out: Path, users: list[acl.RoleUser], base_url: str) -> None
     """Each role's URL (with its password) to ``out/<role>.url``, mode 600."""
     out.mkdir(parents=True, exist_ok=True)
     for u in users:
-        path = out / f"{u.role}.url"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(u.url(base_url) + "\n")
-        os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+        signing.write_private(out / f"{u.role}.url", u.url(base_url) + "\n")
 
 
 def write_keys(out: Path, ids: list[str], syncer: bool = True) -> list[str]:

@@ -249,3 +249,17 @@ def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
         assert ok, why
     result = core.close(float(len(contributions)), "reference")
     return result.version, {k: quant.dequantize(q) for k, q in result.sent.items()}
+
+
+def run_to_the_end(procs: dict[str, subprocess.Popen], order: tuple[str, ...], logs: Path,
+                   timeout_s: float = 300) -> None:
+    """Wait for every process (in `order`) to exit 0 within one deadline; kill the rest."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            left = max(1.0, deadline - time.monotonic())
+            assert procs[name].wait(left) == 0, (logs / f"{name}.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from test_user_task import ROOT, TINY, _spawn, run_to_the_end
+from helpers_broker import run_to_the_end
+from test_user_task import ROOT, TINY, _spawn
 
 from broker import registry
 from ops.cluster import store_run_config

@@ -19,6 +19,7 @@ from helpers_broker import (
     dlq_entries,
     make_delta,
     push,
+    run_to_the_end,
     store_run,
     syncer_cmd,
     tiny_config,
@@ -330,12 +331,8 @@ def test_a_poisoned_learner_is_refused_throughout_and_the_run_still_finishes(tmp
     procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
              for n, c in cmds.items()}
     try:
-        for name in ("L0", "L1", "syncer"):
-            assert procs[name].wait(200) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        run_to_the_end(procs, ("L0", "L1", "syncer"), tmp_path, timeout_s=200)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
         for fh in logs.values():
             fh.close()
     ctx = open_run(redis_url, "poison", wait_s=0)

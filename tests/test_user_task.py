@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers_broker import run_to_the_end
 
 from broker import codec, registry
 from broker.keys import RunKeys
@@ -201,20 +201,6 @@ def test_a_user_task_trains_in_a_real_multi_process_run_and_replays(user_module,
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as fh:  # the child keeps its own descriptor
         return subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-
-
-def run_to_the_end(procs: dict[str, subprocess.Popen], order: tuple[str, ...], logs: Path,
-                   timeout_s: float = 300) -> None:
-    """Wait for every process (in `order`) to exit 0 within one deadline; kill the rest."""
-    try:
-        deadline = time.monotonic() + timeout_s
-        for name in order:
-            left = max(1.0, deadline - time.monotonic())
-            assert procs[name].wait(left) == 0, (logs / f"{name}.log").read_text()[-3000:]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
 
 
 def test_the_hand_written_loop_example_joins_cli_learners_with_identical_results(

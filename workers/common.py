@@ -131,6 +131,18 @@ def add_redis_args(ap: argparse.ArgumentParser, *, required: bool = True,
                    help="read the Redis URL from the first line of this file")
 
 
+def add_role_args(ap: argparse.ArgumentParser) -> None:
+    """The flags the learner and the syncer share: metrics endpoint, ``--insecure``."""
+    ap.add_argument("--metrics-port", type=int, default=0,
+                    help="serve Prometheus metrics on this port (default: off)")
+    ap.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address the metrics endpoint binds (default: loopback only; "
+                         "0.0.0.0 for every interface)")
+    ap.add_argument("--insecure", action="store_true",
+                    help="run without TLS, ACL user, CURVE and signatures against a Redis on "
+                         "another host (refused by default)")
+
+
 def apply_environment() -> None:
     """Settings a process takes from its environment: ``DILOCO_DATA_CACHE`` (where text and
     JSONL corpora are cached, `pipeline.data`)."""

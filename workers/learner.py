@@ -29,6 +29,7 @@ from pipeline.train import make_step
 from workers.common import (
     RunContext,
     add_redis_args,
+    add_role_args,
     apply_environment,
     enable_compile_cache,
     open_run,
@@ -166,11 +167,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "restart) and its log of acknowledged pushes")
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="inner steps between checkpoints (default: every Δh steps)")
-    ap.add_argument("--metrics-port", type=int, default=0,
-                    help="serve Prometheus metrics on this port (default: off)")
-    ap.add_argument("--metrics-host", default="127.0.0.1",
-                    help="address the metrics endpoint binds (default: loopback only; "
-                         "0.0.0.0 for every interface)")
+    add_role_args(ap)
     ap.add_argument("--sub-endpoint", action="append", default=[],
                     help="connect to this PUB endpoint instead of the advertised ones")
     ap.add_argument("--curve-secret", metavar="FILE",
@@ -182,9 +179,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sign-key", metavar="FILE",
                     help="sign every contribution with this learner's key (learners/ID.sign "
                          "from diloco keys); syncers started with --sign-keys require it")
-    ap.add_argument("--insecure", action="store_true",
-                    help="run without TLS, ACL user, CURVE and signatures against a Redis on "
-                         "another host (refused by default)")
     ap.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stall-in-checkpoint", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--poison", default="", choices=("", *POISONS), help=argparse.SUPPRESS)

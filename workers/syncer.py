@@ -38,6 +38,7 @@ from workers import native
 from workers.common import (
     RunContext,
     add_redis_args,
+    add_role_args,
     apply_environment,
     decode_values,
     open_run,
@@ -674,11 +675,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--advertise-host", default=None,
                     help="host name learners use to reach this syncer (default: bind host)")
     ap.add_argument("--max-rounds", type=int, default=0)
-    ap.add_argument("--metrics-port", type=int, default=0,
-                    help="serve Prometheus metrics on this port (default: off)")
-    ap.add_argument("--metrics-host", default="127.0.0.1",
-                    help="address the metrics endpoint binds (default: loopback only; "
-                         "0.0.0.0 for every interface)")
+    add_role_args(ap)
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the run's user task, imported to initialise fragments (only when the "
                          "run names the same task)")
@@ -691,9 +688,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sign-keys", metavar="DIR",
                     help="require signed contributions: folder of the learners' signing keys "
                          "(signers/ID.sign from diloco keys); anything else is dead-lettered")
-    ap.add_argument("--insecure", action="store_true",
-                    help="run without TLS, ACL user, CURVE and signatures against a Redis on "
-                         "another host (refused by default)")
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)

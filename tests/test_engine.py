@@ -98,3 +98,17 @@ def test_slow_learner_without_grace_makes_more_rounds():
     grace, _ = run(engine__speeds=[1.0, 1 / 3])
     nograce, _ = run(engine__speeds=[1.0, 1 / 3], sync__grace_max_s=0.0)
     assert nograce["rounds"] >= grace["rounds"]
+
+
+def test_bandwidth_ratios_by_direction():
+    from pipeline.engine import bandwidth_ratios, ring_allreduce_bytes_per_step
+
+    # M = 4, 1000 params: the ring sends and receives 2·3/4·4·1000 = 6000 B per step each;
+    # 100 tokens per step -> 60 B per token each way
+    assert ring_allreduce_bytes_per_step(4, 1000) == 6000
+    r = bandwidth_ratios(4, 1000, 100, sent=1000.0, received=3000.0, learner_tokens=500.0)
+    # ours: 2 B/token sent, 6 B/token received
+    assert r["bandwidth_ratio_sent"] == 30.0 and r["bandwidth_ratio_received"] == 10.0
+    assert r["bandwidth_ratio_binding"] == 10.0  # sized by the busier direction
+    assert r["bandwidth_ratio_vs_ddp"] == 7.5    # the older figure: 60 ÷ (2 + 6)
+    assert bandwidth_ratios(4, 1000, 100, 1.0, 1.0, 0.0)["bandwidth_ratio_binding"] == 0.0

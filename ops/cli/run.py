@@ -137,5 +137,6 @@ def print_summary(s: dict) -> None:
     print(f"eval loss {s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f} "
           f"(accuracy {s['final_eval_accuracy']:.3f})")
     print(f"per learner: sent {s['bytes_sent']:,} B, received {s['bytes_received']:,} B; "
-          f"{s['bandwidth_ratio_vs_ddp']:.0f}x fewer bytes/token than an fp32 ring all-reduce")
+          f"{s.get('bandwidth_ratio_binding', s['bandwidth_ratio_vs_ddp']):.0f}x fewer "
+          f"bytes/token than an fp32 ring all-reduce in the busier direction")
     print(f"goodput {s['goodput']:.3f}; output in {s['run_dir']}")

@@ -21,7 +21,7 @@ from ops.cluster import artifacts
 from ops.cluster.redis_server import RedisServer
 from ops.cluster.supervisor import Supervisor, role_cmd, store_run_config
 from pipeline.config import RunConfig
-from pipeline.engine import ring_allreduce_bytes_per_step
+from pipeline.engine import bandwidth_ratios
 from pipeline.fragments import fragment_sizes
 from pipeline.task import Data, n_params
 
@@ -103,8 +103,7 @@ class Launcher:
         received = int(np.mean([v.bytes_received for v in reports.values()])) if reports else 0
         nparams = n_params(self.sup.task)
         tps = cfg.inner.batch_size * cfg.model.seq_len
-        ring_per_token = ring_allreduce_bytes_per_step(M, nparams) / tps
-        ours = (sent + received) / (tokens / M) if tokens else 0.0
+        ratios = bandwidth_ratios(M, nparams, tps, sent, received, tokens / M)
         sizes = fragment_sizes(self.sup.task.param_shapes(), self.sup.frags)
         rounds, useful = 0, 0.0
         for p in range(len(self.sup.frags)):
@@ -118,7 +117,7 @@ class Launcher:
             "initial_eval_loss": initial_eval_loss,
             "final_eval_loss": final["eval_loss"], "final_eval_accuracy": final["eval_accuracy"],
             "bytes_sent": sent, "bytes_received": received,
-            "bandwidth_ratio_vs_ddp": ring_per_token / ours if ours else 0.0,
+            **ratios,
             "goodput": useful / (M * wall_s) if wall_s else 0.0,
             "rounds": rounds, "wall_s": wall_s, "versions": final["versions"],
             "learner_hashes": {k: v.hashes for k, v in reports.items()},

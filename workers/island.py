@@ -146,7 +146,9 @@ class Island:
         if self.max_tokens_per_step < self.tokens_per_step:
             raise ValueError(f"max_tokens_per_step {self.max_tokens_per_step} is below the "
                              f"task's {self.tokens_per_step} tokens per step")
-        self.every = cfg.checkpoint_every or self.sync.delta_h
+        # the configured Δh, not the effective one: sync-diloco (one fragment, Δh = H) then
+        # checkpoints as often as decoupled, so a kill costs every mode the same redone work
+        self.every = cfg.checkpoint_every or self.run_cfg.sync.delta_h
         self.secs = [0.0] * len(self.ctx.fragments)
         self.step_s = 0.0
         self.step = 0

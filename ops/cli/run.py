@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
                         f"starts its processes without TLS, ACL users, CURVE or signatures; "
                         f"pass --insecure to run open on a network you control, or run the "
                         f"roles as in docs/SECURITY.md")
-        print("security: off — one machine, Redis and ZeroMQ on loopback (across hosts, see "
-              "docs/SECURITY.md)", file=sys.stderr)
+        if not args.redis_url:  # the embedded demo: open on loopback, and says so
+            print("security: off — one machine, Redis and ZeroMQ on loopback (across hosts, "
+                  "see docs/SECURITY.md)", file=sys.stderr)
         with LiveView(mode="quiet" if quiet else "auto",
                       title=f"{run_name}: {cfg.mode}, M={cfg.learners}") as view:
             def progress(la: Launcher, t_s: float) -> None:

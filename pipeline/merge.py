@@ -243,10 +243,8 @@ class TrimmedMerge:
         d32 = {k: (quant.dequantize(kernels.operand(d)) if isinstance(d, quant.QTensor)
                    else np.asarray(d, np.float32)).reshape(self.shapes[k])
                for k, d in delta.items()}
-        with np.errstate(over="ignore", invalid="ignore"):
-            dnorm = math.sqrt(math.fsum(float(np.dot(v.ravel().astype(np.float64),
-                                                     v.ravel().astype(np.float64)))
-                                        for v in d32.values()))
+        dnorm = math.sqrt(math.fsum(dd for dd, _ in kernels.stats(
+            [(v, None) for v in d32.values()])))
         s = _clip_scale(dnorm, max_norm, clip)
         values, norms = {}, {}
         for k, d in d32.items():

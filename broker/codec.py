@@ -52,6 +52,7 @@ _INT_RE = re.compile(rb"[0-9]{1,19}")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")
 _HEADER_KEYS = {"v", "run", "fragment", "version", "names", "codecs", "shapes", "blocks", "sha256"}
+_DELTA_HEADER_KEYS = _HEADER_KEYS | {"base", "value"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ class GlobalHeader:
     shapes: tuple[tuple[int, ...], ...]
     blocks: tuple[int, ...]
     sha256: str
+    # the delta down link (`sync.down_delta`): the tensors are a delta against version `base`
+    # (-1: they are the whole value), and `value` is the SHA-256 of the value they make
+    # (`pipeline.quant.tensors_hash` of it in fp32); "" when not sent
+    base: int = -1
+    value: str = ""
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -492,7 +498,7 @@ _HEADER_SCHEMA = MMap({
     "names": MList(MStr(_MAX_NAME), _MAX_TENSORS), "codecs": MList(_CODEC_NAME, _MAX_TENSORS),
     "shapes": MList(_SHAPE, _MAX_TENSORS), "blocks": MList(M_INT, _MAX_TENSORS),
     "sha256": MStr(64),
-}, same_len=("names", "codecs", "shapes", "blocks"))
+}, optional={"base": M_INT, "value": MStr(64)}, same_len=("names", "codecs", "shapes", "blocks"))
 # pack_snapshot: {"h": header, "t": [data_0, scales_0?, data_1, ...]}
 _SNAPSHOT_SCHEMA = MMap({"h": _HEADER_SCHEMA, "t": MList(MBin(), 2 * _MAX_TENSORS)})
 
@@ -855,7 +861,8 @@ def topic(fragment: int) -> bytes:
 
 
 def _global_parts(
-    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]
+    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor],
+    base: int = -1, value: str = "",
 ) -> tuple[dict[str, Any], list[memoryview]]:
     """The header dict and the tensor buffers (data, then scales if any, per tensor)."""
     topic(fragment)
@@ -864,6 +871,12 @@ def _global_parts(
         raise ValueError("run must be a non-empty str")
     if not _is_int(version) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
+    if not _is_int(base) or not -1 <= base < version:
+        raise ValueError(f"base must be -1 or a version below {version}, got {base!r}")
+    if value and not _SHA_RE.fullmatch(value):
+        raise ValueError("value must be a SHA-256 of 64 lowercase hex digits")
+    if base >= 0 and not value:
+        raise ValueError("a delta (base >= 0) needs the SHA-256 of the value it makes")
     bufs: list[memoryview] = []
     for name, q in tensors.items():
         data, scales = _wire_arrays(name, q)
@@ -881,12 +894,15 @@ def _global_parts(
         "blocks": [int(q.block) for q in tensors.values()],
         "sha256": sha256_hex(*bufs),
     }
+    if value:
+        header.update(base=int(base), value=value)
     return header, bufs
 
 
 def _parse_header(raw: object) -> GlobalHeader:
-    if not isinstance(raw, dict) or set(raw) != _HEADER_KEYS:
-        raise DecodeError(f"global header must be a map with keys {sorted(_HEADER_KEYS)}")
+    if not isinstance(raw, dict) or set(raw) not in (_HEADER_KEYS, _DELTA_HEADER_KEYS):
+        raise DecodeError(f"global header must be a map with keys {sorted(_HEADER_KEYS)} "
+                          f"(and base with value, or neither)")
     if not _is_int(raw["v"]) or raw["v"] != WIRE_VERSION:
         raise DecodeError(f"unsupported wire version {_r(raw['v'])}")
     run, fragment, version, sha = raw["run"], raw["fragment"], raw["version"], raw["sha256"]
@@ -911,8 +927,15 @@ def _parse_header(raw: object) -> GlobalHeader:
     shapes_t = tuple(_shape_of(s) for s in shapes)
     for codec, shape, block in zip(codecs, shapes_t, blocks, strict=True):
         _layout(codec, shape, block)
+    base, value = raw.get("base", -1), raw.get("value", "")
+    if "base" in raw:
+        if not _is_int(base) or not -1 <= base < version:
+            raise DecodeError(f"bad base {_r(base)} for version {version}")
+        if not isinstance(value, str) or not _SHA_RE.fullmatch(value):
+            raise DecodeError("value must be 64 lowercase hex digits")
     return GlobalHeader(
-        run, fragment, version, tuple(names), tuple(codecs), shapes_t, tuple(blocks), sha
+        run, fragment, version, tuple(names), tuple(codecs), shapes_t, tuple(blocks), sha,
+        int(base), value
     )
 
 
@@ -935,7 +958,8 @@ def _tensors_from(header: GlobalHeader, bufs: Sequence[Any]) -> dict[str, QTenso
 
 
 def global_frames(
-    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]
+    run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
+    base: int = -1, value: str = "",
 ) -> list[bytes | memoryview]:
     """Build the ZeroMQ multipart message of a merged fragment value.
 
@@ -949,11 +973,13 @@ def global_frames(
         fragment: Fragment index in ``[0, 9999]``.
         version: Global version of the fragment.
         tensors: Name -> quantised tensor.
+        base: The delta down link: `tensors` are a delta against this version (-1: whole).
+        value: The SHA-256 of the value learners hold afterwards (required with a base).
 
     Raises:
         ValueError: On invalid arguments or inconsistent tensors.
     """
-    header, bufs = _global_parts(run, fragment, version, tensors)
+    header, bufs = _global_parts(run, fragment, version, tensors, base, value)
     return [topic(fragment), msgpack.packb(header, use_bin_type=True), *bufs]
 
 
@@ -1012,6 +1038,8 @@ def unpack_snapshot(
     assert scan.spans is not None
     (h0, h1), (t0, t1) = scan.spans["h"], scan.spans["t"]
     header = _parse_header(unpack_checked(scan.buf[h0:h1], _HEADER_SCHEMA, "snapshot header"))
+    if header.base != -1:
+        raise DecodeError("a snapshot holds a whole value, not a delta (base must be -1)")
     # as many buffers as the header describes, before msgpack builds them
     expected = sum(2 if c in _BLOCKED else 1 for c in header.codecs)
     got = _Scan(scan.buf[t0:t1], "snapshot").count("array", 2 * _MAX_TENSORS, "t")

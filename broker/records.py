@@ -533,6 +533,7 @@ class LearnerFinal(_JsonRecord):
     step_s: float = 0.0
     train_s: float = 0.0
     steps_per_s: float = 0.0
+    rejected: int = 0  # merged values that failed a check (never applied)
     sig: str = ""  # the learner's signature (broker/signing.py), when it signs
 
 

@@ -138,6 +138,12 @@ class SyncConfig:
     # round's contributions left out at each end of every coordinate. Both need contributions
     # to compare: with untrusted learners, set quorum ≥ 3.
     trim: float = field(default=0.25, metadata={**_rng(0.01, 0.49), "added": True})
+    # The down link as deltas (pipeline/syncer.py `encode_down`): each merged value goes out as
+    # codec_down(Θ(v) − R(v−1)) against the exact reference R(v−1) every learner holds, and
+    # R(v) = R(v−1) + that delta decoded — so the quantisation error of one publish is carried
+    # into the next (error feedback) and every learner holds R(v) bit for bit (the header
+    # carries its SHA-256). Snapshots hold R(v) in fp32 for rejoining learners.
+    down_delta: bool = field(default=False, metadata={"added": True})
 
     @property
     def delta_h(self) -> int:

@@ -45,7 +45,7 @@ class RoundResult:
     version: int
     theta: dict[str, np.ndarray]          # new fp32 global value
     sent: dict[str, quant.QTensor]        # what learners receive (down-link codec)
-    sent_hash: str
+    sent_hash: str                        # of the value learners hold (`snapshot_tensors`)
     included: list[tuple[str, str, float, int]]  # (entry_id, learner, weight, staleness)
     dropped: list[tuple[str, Reason]]     # (entry_id, reason)
     reason: str
@@ -58,6 +58,7 @@ class RoundResult:
     clipped: list[str] = field(default_factory=list)  # entries the guard scaled down
     # entries merge = "robust" left out of the merge (they opposed the others' consensus)
     outvoted: list[str] = field(default_factory=list)
+    sent_base: int = -1  # `sent` is a delta against this version (-1: the whole value)
 
 
 class RoundRefused(ValueError):
@@ -80,11 +81,32 @@ class _Round:
     clipped: list[str] = field(default_factory=list)  # entry ids scaled down by the guard
 
 
-def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int
+def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int,
+                ref: Mapping[str, np.ndarray] | None = None
                 ) -> tuple[dict[str, quant.QTensor], dict[str, np.ndarray]]:
-    """Quantise a global value for the down link; also return what learners will decode."""
-    sent = {k: quant.quantize(v, codec, block) for k, v in theta.items()}
-    return sent, {k: quant.dequantize(q) for k, q in sent.items()}
+    """Quantise a global value for the down link; also return what learners will decode.
+
+    With `ref` (the delta down link, `sync.down_delta`) the payload is codec(Θ − ref) and what
+    learners hold afterwards is ref + decode(payload), computed here exactly as they compute
+    it (fp32, elementwise): the error one publish leaves is part of the next one's delta."""
+    if ref is None:
+        sent = {k: quant.quantize(v, codec, block) for k, v in theta.items()}
+        return sent, {k: quant.dequantize(q) for k, q in sent.items()}
+    sent = {k: quant.quantize(np.subtract(v, ref[k], dtype=np.float32), codec, block)
+            for k, v in theta.items()}
+    return sent, apply_delta(ref, sent)
+
+
+def apply_delta(ref: Mapping[str, np.ndarray], delta: Mapping[str, quant.QTensor]
+                ) -> dict[str, np.ndarray]:
+    """R(v) = R(v−1) + decode(delta), the one way syncers and learners both compute it."""
+    return {k: np.add(np.asarray(ref[k], np.float32), quant.dequantize(q), dtype=np.float32)
+            for k, q in delta.items()}
+
+
+def full_value(values: Mapping[str, np.ndarray]) -> dict[str, quant.QTensor]:
+    """A decoded value as fp32 tensors: the delta down link's snapshots and key frames."""
+    return {k: quant.quantize(np.asarray(v, np.float32), "fp32") for k, v in values.items()}
 
 
 class FragmentSyncer:
@@ -113,7 +135,15 @@ class FragmentSyncer:
         self._opt = outer_optimizer(outer_cfg)
         self._outer_step = make_outer_step(self._opt)
         self.opt_state = init_state(self._opt, self.theta)
-        self.sent, sent_values = encode_down(self.theta, sync_cfg.codec_down, sync_cfg.quant_block)
+        if sync_cfg.down_delta:  # the first value goes out whole, in fp32
+            self.sent = full_value(self.theta)
+            sent_values = {k: v.copy() for k, v in self.theta.items()}
+        else:
+            self.sent, sent_values = encode_down(self.theta, sync_cfg.codec_down,
+                                                 sync_cfg.quant_block)
+        # the version `sent` is a delta against (-1: `sent` is the whole value)
+        self.sent_base = -1
+        self._hash: tuple[int, str] = (-1, "")  # (version, sent_hash) cached
         # version → the dequantised value learners received for it (anchors stale contributions)
         self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
         self.seen: set[tuple[str, int, int]] = set()
@@ -133,6 +163,20 @@ class FragmentSyncer:
     @property
     def sent_values(self) -> dict[str, np.ndarray]:
         return self.history[self.version]
+
+    @property
+    def snapshot_tensors(self) -> dict[str, quant.QTensor]:
+        """The current value as snapshots store it: what was sent, or with the delta down link
+        the reference itself in fp32 (a delta is no use to a learner that missed the last)."""
+        return full_value(self.sent_values) if self.sync_cfg.down_delta else self.sent
+
+    @property
+    def sent_hash(self) -> str:
+        """SHA-256 of the current published value as snapshots hold it (`snapshot_tensors`):
+        round records carry it, replay recomputes it, delta learners check their value by it."""
+        if self._hash[0] != self.version:
+            self._hash = (self.version, quant.tensors_hash(self.snapshot_tensors))
+        return self._hash[1]
 
     @property
     def contributors(self) -> frozenset[str]:
@@ -275,8 +319,9 @@ class FragmentSyncer:
             theta, opt_state = partial_outer_step(self.outer_cfg, self.theta, outer_grad,
                                                   self.opt_state, share)
         try:
-            sent, sent_values = encode_down(theta, self.sync_cfg.codec_down,
-                                            self.sync_cfg.quant_block)
+            sent, sent_values = encode_down(
+                theta, self.sync_cfg.codec_down, self.sync_cfg.quant_block,
+                self.sent_values if self.sync_cfg.down_delta else None)
             finite = all(np.isfinite(v).all() for v in (*theta.values(), *sent_values.values()))
         except (ValueError, FloatingPointError):
             finite = False
@@ -292,6 +337,7 @@ class FragmentSyncer:
         if self.guard is not None:
             for norm, steps, bound in r.norms:
                 self.guard.accepted(norm, steps, bound)
+        self.sent_base = self.version if self.sync_cfg.down_delta else -1
         self.version += 1
         self.sent = sent
         self.history[self.version] = sent_values
@@ -301,13 +347,14 @@ class FragmentSyncer:
         self.seen = {k for k in self.seen if k[1] >= oldest}
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
-            sent_hash=quant.tensors_hash(self.sent), included=r.included, dropped=r.dropped,
+            sent_hash=self.sent_hash, included=r.included, dropped=r.dropped,
             reason=reason,
             first_arrival_s=now_s if r.first_arrival_s is None else r.first_arrival_s,
             quorum_s=now_s if r.quorum_reached_s is None else r.quorum_reached_s,
             closed_s=now_s, tokens=r.tokens,
             steps=r.steps, scale=share, clipped=list(r.clipped),
-            outvoted=[r.included[i][0] for i in getattr(r.merge, "excluded", ())])
+            outvoted=[r.included[i][0] for i in getattr(r.merge, "excluded", ())],
+            sent_base=self.sent_base)
         self._round = self._new_round()
         return result
 
@@ -346,7 +393,11 @@ class FragmentSyncer:
         s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
         s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})
                                 for v, h in sorted(d["history"].items(), key=lambda kv: int(kv[0])))
-        s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
+        s._hash = (-1, "")
+        if sync_cfg.down_delta:  # re-published whole: the delta that made it is not kept
+            s.sent, s.sent_base = full_value(s.history[s.version]), -1
+        else:
+            s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
         if s.guard is not None:

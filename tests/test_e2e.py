@@ -53,10 +53,20 @@ def test_three_learners_and_a_syncer_as_processes(tmp_path, redis_url):
         assert (tmp_path / "runs" / "e2e" / name).exists(), name
 
 
-def test_distributed_equals_inprocess_engine(tmp_path, redis_url):
+DOWN_LINKS = {
+    "bf16 values": {},
+    # int4 deltas against the exact reference (error feedback): every learner must rebuild
+    # the syncer's value bit for bit for the engines to agree, and replay must verify it
+    "int4 deltas": {"sync.down_delta": True, "sync.codec_down": "int4"},
+}
+
+
+@pytest.mark.parametrize("down", list(DOWN_LINKS))
+def test_distributed_equals_inprocess_engine(tmp_path, redis_url, down):
     """With K = M, strict learners and fp32-summed merges the two engines agree bit for bit."""
     cfg_path = write_config(tmp_path, learners=2, steps=30)
-    cfg = cfgmod.override(cfgmod.load(cfg_path), **{"sync.quorum": 2, "sync.strict": True})
+    cfg = cfgmod.override(cfgmod.load(cfg_path), **{"sync.quorum": 2, "sync.strict": True,
+                                                    **DOWN_LINKS[down]})
     (tmp_path / "eq.toml").write_text(cfgmod.dumps_toml(cfg))
     s = diloco("run", "--config", str(tmp_path / "eq.toml"), "--redis-url", redis_url,
                "--run", "eq", "--out", str(tmp_path / "runs"), "--json")
@@ -66,6 +76,10 @@ def test_distributed_equals_inprocess_engine(tmp_path, redis_url):
     assert summary["rounds"] == s["rounds"]
     for k, v in engine.final_params.items():
         np.testing.assert_array_equal(np.asarray(v), dist[k], err_msg=k)
+    if DOWN_LINKS[down]:
+        assert s["rejected_globals"] == 0
+        rep = diloco("replay", "--redis-url", redis_url, "--run", "eq", "--json")
+        assert rep["ok"] and rep["rounds_checked"] == s["rounds"], rep
 
 
 @pytest.mark.parametrize("flag", ["--engine=inprocess"])

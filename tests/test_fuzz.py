@@ -157,6 +157,10 @@ PAYLOAD = pack_tensors(INT8)
 MIXED = pack_tensors(TENSORS)
 RUN, FRAG, VERSION = "run-1", 7, 3
 FRAMES = [bytes(f) for f in global_frames(RUN, FRAG, VERSION, TENSORS)]
+# the delta down link's message: the tensors are a delta against `base`, `value` the hash of
+# the value they make
+DELTA_FRAMES = [bytes(f) for f in global_frames(RUN, FRAG, VERSION, TENSORS, base=VERSION - 1,
+                                                value="ab" * 32)]
 SNAPSHOT = pack_snapshot(RUN, FRAG, VERSION, TENSORS)
 THETA_SHAPES = {"a": (2, 3), "b": (), "c": (4,)}
 
@@ -247,9 +251,17 @@ def ref_payload(doc: Any, codec_name: str | None = None) -> bool:
     return True
 
 
-def ref_global(h: Any, bufs: Any) -> bool:
-    """A global header and its tensor buffers (the sha256 of the buffers in the header)."""
+def ref_global(h: Any, bufs: Any, snapshot: bool = False) -> bool:
+    """A global header and its tensor buffers (the sha256 of the buffers in the header); a
+    ZeroMQ message's may carry `base` (-1 ≤ base < version) with `value` (a sha256), a
+    snapshot's only with base -1 (a snapshot holds a whole value)."""
     keys = {"v", "run", "fragment", "version", "names", "codecs", "shapes", "blocks", "sha256"}
+    if type(h) is dict and h.keys() == keys | {"base", "value"}:
+        if not (_int(h["base"], -1, 2**64) and _int(h["version"], 0, 2**64)
+                and h["base"] < h["version"] and type(h["value"]) is str
+                and re.fullmatch("[0-9a-f]{64}", h["value"])) or (snapshot and h["base"] != -1):
+            return False
+        h = {k: v for k, v in h.items() if k in keys}
     if not (type(h) is dict and h.keys() == keys and type(h["v"]) is int and h["v"] == 1
             and _str(h["run"], 256, 1) and _int(h["fragment"], 0, 9999)
             and _int(h["version"], 0, 2**64) and type(h["sha256"]) is str
@@ -278,7 +290,8 @@ def ref_global(h: Any, bufs: Any) -> bool:
 
 
 def ref_snapshot(doc: Any) -> bool:
-    return type(doc) is dict and doc.keys() == {"h", "t"} and ref_global(doc["h"], doc["t"])
+    return type(doc) is dict and doc.keys() == {"h", "t"} and ref_global(doc["h"], doc["t"],
+                                                                         snapshot=True)
 
 
 _DTYPES = {"<f4": 4, "<f8": 8, "<i4": 4, "<i8": 8}
@@ -569,7 +582,7 @@ def _frames_of(header: bytes) -> list[bytes]:
 def _formats(root: Path, archive_blob: bytes) -> dict[str, Format]:
     def frames_encode(got):
         h, tensors = got
-        f = global_frames(h.run, h.fragment, h.version, tensors)
+        f = global_frames(h.run, h.fragment, h.version, tensors, base=h.base, value=h.value)
         return {"h": tree(f[1]), "t": [bytes(b) for b in f[2:]]}
 
     def frames_decode(header_blob):
@@ -585,6 +598,8 @@ def _formats(root: Path, archive_blob: bytes) -> dict[str, Format]:
                lambda got: tree(pack_tensors(got))),
         Format("frames", FRAMES[1], frames_decode, frames_ref,
                lambda got: frames_encode(got)["h"]),
+        Format("delta frames", DELTA_FRAMES[1], frames_decode, frames_ref,
+               lambda got: frames_encode(got)["h"]),
         Format("snapshot", SNAPSHOT, lambda b: decoded(unpack_snapshot, b), ref_snapshot,
                lambda got: tree(pack_snapshot(got[0].run, got[0].fragment, got[0].version,
                                               got[1]))),
@@ -595,7 +610,7 @@ def _formats(root: Path, archive_blob: bytes) -> dict[str, Format]:
     ]}
 
 
-FORMATS = ["entry", "tensors", "frames", "snapshot", "state", "archive"]
+FORMATS = ["entry", "tensors", "frames", "delta frames", "snapshot", "state", "archive"]
 
 
 def _msgpack_or_none(blob: bytes) -> Any:

@@ -352,7 +352,7 @@ class Island:
                 snap = read_snapshot(self.ctx, p)
             versions.append(snap[0])
             values.update(snap[1])
-            self.net.joined_at(p, snap[0])
+            self.net.joined_at(p, snap[0], snap[1])
         self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
         self._params = self._place({k: values[k] for k in self.ctx.shapes})
         self._joined = (versions, values)
@@ -598,7 +598,8 @@ class Island:
             tokens=self.tokens_done, bytes_sent=s.bytes_sent,
             bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
             pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
-            step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s)
+            step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s,
+            rejected=s.rejected)
         report = self._signed("final", report)
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)

@@ -4,6 +4,13 @@ The training loop never waits on Redis or ZeroMQ: it hands pushes to this thread
 an inbox of decoded merged values between steps. The thread owns the SUB socket (ZeroMQ
 sockets are not thread-safe). Redis outages are ridden out with backoff; pushes wait in an
 in-memory queue until Redis takes them.
+
+With the delta down link (`sync.down_delta`) a merged value arrives as a delta against the
+previous version: the thread keeps the value it last delivered per fragment (the reference),
+adds the delta and checks the result's SHA-256 against the one the syncer sent. A delta whose
+base it does not hold (a missed message, or one that arrived before the learner's first
+snapshot) is held back and the fragment's snapshot is read; held deltas that follow it are
+then applied in order.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
+from pipeline.quant import tensors_hash
+from pipeline.syncer import apply_delta
 from workers.common import RunContext, decode_values
 
 log = logging.getLogger("diloco.learner")
@@ -51,6 +60,7 @@ class NetStats:
     snapshots_read: int = 0
     repushed: int = 0
     zmq_gaps: int = 0
+    deltas_held: int = 0  # delta values that arrived before their base (resolved by snapshot)
     redis_down_s: float = 0.0
 
 
@@ -77,6 +87,11 @@ class LearnerNet(threading.Thread):
         self.finish_seen = False
         self._unsent: list[tuple[int, dict]] = []
         self._last_version: dict[int, int] = {}
+        self._lock = threading.Lock()  # _last_version and _ref: joined_at runs in the trainer
+        # fragment → the value last delivered (the delta down link's reference)
+        self._ref: dict[int, dict[str, np.ndarray]] = {}
+        self._delta = ctx.cfg.effective_sync().down_delta
+        self._held: dict[int, dict[int, tuple]] = {}  # fragment → version → (header, tensors)
         self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
         self._acked_log = open(acked_log, "a", buffering=1) if acked_log else None
         self._sub_endpoints = list(sub_endpoints)
@@ -97,10 +112,16 @@ class LearnerNet(threading.Thread):
         """The training loop's latest figures (step, tokens, loss…) for the next heartbeat."""
         self.progress = progress
 
-    def joined_at(self, fragment: int, version: int) -> None:
+    def joined_at(self, fragment: int, version: int,
+                  values: dict[str, np.ndarray] | None = None) -> None:
         """The learner started from `version` of `fragment` (read from its snapshot): an
-        older value arriving later is not delivered."""
-        self._last_version[fragment] = max(version, self._last_version.get(fragment, -1))
+        older value arriving later is not delivered, and `values` is the reference the next
+        delta applies to."""
+        with self._lock:
+            if version >= self._last_version.get(fragment, -1):
+                self._last_version[fragment] = version
+                if values is not None and self._delta:
+                    self._ref[fragment] = {k: np.array(v, np.float32) for k, v in values.items()}
 
     @property
     def bytes_received(self) -> int:
@@ -252,11 +273,42 @@ class LearnerNet(threading.Thread):
         got = {n: tuple(q.shape) for n, q in tensors.items()}
         if got != want:
             return self._reject(p, "tensors do not match the fragment's names and shapes")
-        values = decode_values(tensors)
-        if not all(np.isfinite(v).all() for v in values.values()):
-            return self._reject(p, f"non-finite values in version {version}")
-        self._last_version[p] = version
+        with self._lock:
+            if header.base >= 0:
+                if header.base != self._last_version.get(p, -1) or p not in self._ref:
+                    return self._hold(p, header, tensors)
+                values = apply_delta(self._ref[p], tensors)
+            else:
+                values = decode_values(tensors)
+            if not all(np.isfinite(v).all() for v in values.values()):
+                return self._reject(p, f"non-finite values in version {version}")
+            if header.value and tensors_hash(values) != header.value:
+                self.snapshot_requests.put(p)
+                return self._reject(p, f"version {version} decodes to a value whose SHA-256 "
+                                    f"differs from the syncer's; reading the snapshot")
+            self._last_version[p] = version
+            if self._delta:  # the trainer gets a copy: the reference stays what was decoded
+                self._ref[p] = values
+                values = {k: v.copy() for k, v in values.items()}
         self.inbox.put((p, version, values))
+        held = self._held.get(p)
+        if held:
+            for v in [v for v in held if v <= version]:
+                del held[v]
+            if held:
+                nxt = min(held)
+                if held[nxt][0].base == version:
+                    self._deliver(*held.pop(nxt))
+
+    def _hold(self, p: int, header, tensors: dict) -> None:
+        """A delta whose base this learner does not hold: keep it (a bounded few per
+        fragment) and read the fragment's snapshot, after which it may apply."""
+        held = self._held.setdefault(p, {})
+        if len(held) >= 16:
+            held.pop(min(held))
+        held[header.version] = (header, tensors)
+        self.stats.deltas_held += 1
+        self.snapshot_requests.put(p)
 
     def _reject(self, p: int | None, reason: str) -> None:
         """A merged value (message or snapshot) that fails a check: counted, logged and

@@ -31,7 +31,6 @@ from broker.pubsub import CurveServer, Publisher
 from broker.records import Drop, Included, Refusal, RoundRecord, SyncerFinal, SyncerInfo
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
-from pipeline import quant
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native
@@ -190,7 +189,7 @@ class Syncer:
         registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
                        fragments=self.owned, endpoint=self.pub.endpoint)
         for p, f in self.frags.items():  # re-publish what is committed (restart after a crash)
-            self._publish(p, f.core.version, f.core.sent)
+            self._publish(p, f.core)
         for p in self.owned:
             self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
         for p in self.owned:  # entries this consumer read before a crash, never acknowledged
@@ -249,7 +248,8 @@ class Syncer:
         return pack_state(d)
 
     def _snapshot(self, core: FragmentSyncer) -> bytes:
-        return codec.pack_snapshot(self.ctx.keys.run, core.fragment, core.version, core.sent)
+        return codec.pack_snapshot(self.ctx.keys.run, core.fragment, core.version,
+                                   core.snapshot_tensors)
 
     def _info(self) -> SyncerInfo:
         st = self.stats
@@ -482,7 +482,7 @@ class Syncer:
                         "re-committing", p, result.version)
             self._resync()
         self.cfg.faults.at("after", self.stats.commits)
-        self._publish(p, result.version, result.sent)
+        self._publish(p, f.core)
         f.core.record_sync_time(time.monotonic() - t0)
         st = self.stats
         st.rounds += 1
@@ -539,8 +539,12 @@ class Syncer:
                     return
             self.streams.trim(p, floor)
 
-    def _publish(self, p: int, version: int, sent: dict[str, quant.QTensor]) -> None:
-        self.pub.publish(codec.global_frames(self.ctx.keys.run, p, version, sent))
+    def _publish(self, p: int, core: FragmentSyncer) -> None:
+        """Publish the fragment's current value: whole, or a delta with the value's hash."""
+        delta = core.sync_cfg.down_delta
+        self.pub.publish(codec.global_frames(self.ctx.keys.run, p, core.version, core.sent,
+                                             base=core.sent_base,
+                                             value=core.sent_hash if delta else ""))
 
     # -- loop ------------------------------------------------------------------------------------
 
@@ -572,7 +576,7 @@ class Syncer:
             if (not f.finished and expected[p] <= f.final_seen and not f.core.contributors
                     and not f.deferred):
                 f.finished = True
-                self._publish(p, f.core.version, f.core.sent)
+                self._publish(p, f.core)
         if not all(self.frags[p].finished for p in self.owned):
             return False
         versions = {str(p): self.frags[p].core.version for p in self.owned}

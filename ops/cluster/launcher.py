@@ -121,6 +121,7 @@ class Launcher:
             "goodput": useful / (M * wall_s) if wall_s else 0.0,
             "rounds": rounds, "wall_s": wall_s, "versions": final["versions"],
             "learner_hashes": {k: v.hashes for k, v in reports.items()},
+            "rejected_globals": sum(v.rejected for v in reports.values()),
             "history": self.history, "first_eval_tokens": first["tokens"],
         }
 

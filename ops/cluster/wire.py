@@ -16,7 +16,8 @@ def _push_bytes(push: Push, learner: str) -> int:
 
 
 def _publish_bytes(r: RoundResult, run: str = "run") -> int:
-    frames = codec.global_frames(run, r.fragment, r.version, r.sent)
+    frames = codec.global_frames(run, r.fragment, r.version, r.sent, base=r.sent_base,
+                                 value=r.sent_hash if r.sent_base >= 0 else "")
     return sum(len(memoryview(f).cast("B")) for f in frames)
 
 

@@ -143,10 +143,10 @@ class _Replay:
         core = FragmentSyncer(self.p, self.theta0, self.cfg.outer, self.cfg.effective_sync(),
                               is_embedding=self.is_embedding, prior_step_norm=fragment_prior(
                                   self.cfg, {n: v.shape for n, v in self.theta0.items()}))
-        problem = self._check_snapshot(0, tensors_hash(core.sent))
+        problem = self._check_snapshot(0, core.sent_hash)
         if problem:
             self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,
-                                                 tensors_hash(core.sent), [], [])
+                                                 core.sent_hash, [], [])
             return
         records = self._records()
         for rid, rec in records:

@@ -1,0 +1,169 @@
+"""The delta down link (`sync.down_delta`): merged values sent as quantised deltas against the
+exact reference every learner holds, with the error of one publish fed into the next."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers_broker import store_run, tiny_config
+
+from broker import codec
+from broker.connection import connect
+from broker.errors import DecodeError
+from pipeline import quant
+from pipeline.config import OuterConfig, SyncConfig
+from pipeline.contribution import Contribution
+from pipeline.model import is_embedding
+from pipeline.syncer import FragmentSyncer, apply_delta
+from workers.common import open_run
+
+DELTA = SyncConfig(quorum=1, grace_max_s=0.0, codec_down="int4", down_delta=True, guard=False)
+
+
+def _theta(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.normal(0, 0.1, s).astype(np.float32) for n, s in shapes.items()}
+
+
+def _round(s: FragmentSyncer, i: int, scale: float = 1e-2):
+    """Offer one learner's random contribution and close the round."""
+    rng = np.random.default_rng(100 + i)
+    delta = {n: quant.quantize(rng.normal(0, scale, v.shape).astype(np.float32), "int4")
+             for n, v in s.theta.items()}
+    ok, why = s.offer(Contribution("L0", s.fragment, s.version, 10 * (i + 1), 10, 1000, delta,
+                                   entry_id=f"{i + 1}-0"), float(i))
+    assert ok, why
+    return s.close(float(i), "quorum")
+
+
+def _frames(s: FragmentSyncer, run: str = "dl") -> list[bytes]:
+    """The syncer's current publish, as a learner receives it."""
+    return [bytes(memoryview(f).cast("B")) for f in codec.global_frames(
+        run, s.fragment, s.version, s.sent, base=s.sent_base, value=s.sent_hash)]
+
+
+def test_the_reference_tracks_the_global_value_within_one_quantisation_step():
+    shapes = {"w": (64, 48), "b": (48,)}
+    s = FragmentSyncer(0, _theta(shapes), OuterConfig(), DELTA, is_embedding=lambda n: False)
+    assert s.sent_base == -1 and all(q.codec == "fp32" for q in s.sent.values())
+    learner = {n: quant.dequantize(q) for n, q in s.sent.items()}
+    for i in range(40):
+        before = dict(s.sent_values)
+        r = _round(s, i)
+        assert r.sent_base == r.version - 1 and all(q.codec == "int4" for q in r.sent.values())
+        header, tensors = codec.parse_global_frames(_frames(s))
+        learner = apply_delta(learner, tensors)
+        # every learner rebuilds the syncer's reference bit for bit, and the hash says so
+        assert quant.tensors_hash(learner) == header.value == r.sent_hash
+        for n, v in learner.items():
+            np.testing.assert_array_equal(v, s.sent_values[n])
+            # error feedback: the reference misses Θ by one quantisation of the last delta,
+            # never by an error accumulated over rounds
+            bound = quant.error_bound(s.theta[n] - before[n], "int4")
+            assert (np.abs(v - s.theta[n]) <= bound + 1e-7).all(), n
+    # a payload of int4 deltas is about a quarter of bf16 values' (block scales included)
+    int4 = sum(quant.payload_nbytes(q) for q in s.sent.values())
+    bf16 = sum(quant.payload_nbytes(quant.quantize(v, "bf16")) for v in s.theta.values())
+    assert int4 < 0.3 * bf16
+
+
+def test_a_restarted_syncer_publishes_its_exact_reference_whole():
+    shapes = {"w": (16, 8)}
+    s = FragmentSyncer(0, _theta(shapes), OuterConfig(), DELTA, is_embedding=lambda n: False)
+    for i in range(5):
+        _round(s, i)
+    back = FragmentSyncer.from_state_dict(s.state_dict(), OuterConfig(), DELTA,
+                                          is_embedding=lambda n: False)
+    assert back.version == s.version and back.sent_base == -1
+    assert back.sent_hash == s.sent_hash  # the same value, now as an fp32 key frame
+    np.testing.assert_array_equal(quant.dequantize(back.sent["w"]), s.sent_values["w"])
+    a, b = _round(s, 9), _round(back, 9)  # and both continue identically
+    assert a.sent_hash == b.sent_hash and a.sent_base == b.sent_base == a.version - 1
+
+
+def test_snapshots_hold_whole_values_only():
+    s = FragmentSyncer(0, _theta({"w": (4, 4)}), OuterConfig(), DELTA,
+                       is_embedding=lambda n: False)
+    _round(s, 0)
+    blob = codec.pack_snapshot("dl", 0, s.version, s.snapshot_tensors)
+    header, tensors = codec.unpack_snapshot(blob)
+    assert header.base == -1 and quant.tensors_hash(tensors) == s.sent_hash
+    with pytest.raises(ValueError, match="needs the SHA-256"):
+        codec.global_frames("dl", 0, 3, s.sent, base=2)
+    with pytest.raises(ValueError, match="base"):
+        codec.global_frames("dl", 0, 3, s.sent, base=3, value="a" * 64)
+
+
+def test_delta_headers_are_validated():
+    s = FragmentSyncer(0, _theta({"w": (4, 4)}), OuterConfig(), DELTA,
+                       is_embedding=lambda n: False)
+    _round(s, 0)
+    frames = _frames(s)
+    import msgpack
+    header = msgpack.unpackb(frames[1], raw=False)
+    for patch in ({"base": 1}, {"base": -2}, {"base": "0"}, {"value": "A" * 64},
+                  {"value": 5}):
+        bad = [frames[0], msgpack.packb({**header, **patch}), *frames[2:]]
+        with pytest.raises(DecodeError):
+            codec.parse_global_frames(bad)
+    lone = {k: v for k, v in header.items() if k != "value"}  # base without value
+    with pytest.raises(DecodeError):
+        codec.parse_global_frames([frames[0], msgpack.packb(lone), *frames[2:]])
+
+
+def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(redis_url):
+    import zmq
+
+    from workers.learner_net import LearnerNet
+
+    r = connect(redis_url)
+    cfg = tiny_config(sync={"down_delta": True, "codec_down": "int4"})
+    store_run(r, "dl", cfg)
+    ctx = open_run(redis_url, "dl", wait_s=0)
+    p = 0
+    shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
+    s = FragmentSyncer(p, _theta(shapes), OuterConfig(), DELTA, is_embedding=is_embedding)
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx)
+    try:
+        net.joined_at(p, 0, dict(s.sent_values))
+        published = {}
+        for i in range(5):
+            _round(s, i)
+            published[s.version] = codec.parse_global_frames(_frames(s))
+            if s.version == 3:
+                snapshot_v3 = codec.unpack_snapshot(
+                    codec.pack_snapshot("dl", p, 3, s.snapshot_tensors))
+        net._deliver(*published[2])  # arrives before version 1: held, the snapshot is asked
+        assert net.inbox.empty() and net.stats.deltas_held == 1
+        assert net.snapshot_requests.get_nowait() == p
+        net._deliver(*published[1])  # its base arrives: 1 and then the held 2 apply
+        got = [net.inbox.get_nowait() for _ in range(2)]
+        assert [v for _, v, _ in got] == [1, 2] and net.stats.rejected == 0
+        assert quant.tensors_hash(got[1][2]) == published[2][0].value
+        net._deliver(*published[4])  # 3 was missed: held until the snapshot of 3 arrives
+        assert net.inbox.empty()
+        net._deliver(*snapshot_v3)
+        got = [net.inbox.get_nowait() for _ in range(2)]
+        assert [v for _, v, _ in got] == [3, 4]
+        assert quant.tensors_hash(got[1][2]) == published[4][0].value
+        # the trainer's copy is its own: changing it does not change the reference
+        for v in got[1][2].values():
+            v += 1.0
+        net._deliver(*published[5])
+        assert net.inbox.get_nowait()[1] == 5
+        while not net.snapshot_requests.empty():
+            net.snapshot_requests.get_nowait()
+        # a delta that decodes to another value than the syncer's hash says: refused
+        _round(s, 5)
+        h, t = codec.parse_global_frames(_frames(s))
+        forged = codec.GlobalHeader(h.run, h.fragment, h.version, h.names, h.codecs, h.shapes,
+                                    h.blocks, h.sha256, h.base, "0" * 64)
+        net._deliver(forged, t)
+        assert net.inbox.empty() and net.stats.rejected == 1
+        assert net.snapshot_requests.get_nowait() == p
+        net._deliver(h, t)  # the real one still applies onto the untouched reference
+        assert net.inbox.get_nowait()[1] == 6 and net.stats.rejected == 1
+    finally:
+        net.sub.close()
+        zctx.term()

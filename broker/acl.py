@@ -7,12 +7,13 @@ learner    append to the run's fragment streams with XADD only (and read them ba
            restarted learner checks which of its pushes arrived); write its heartbeat (the
            ``learners`` hash, its ``hb:<id>`` key), events and end-of-run reports; read the
            configuration, the syncer endpoints, global values and snapshots, its refusals,
-           the stop/finish flags.
+           the stop/finish flags, which of its pushes were merged.
            Nothing else: no syncer state, leases, round records, dead letters, configuration
            writes, or any key of another run.
 syncer     every fragment key of the run (streams, consumer group, state, global values,
            snapshots, rounds, dead letters, leases), the syncer endpoints, events, end-of-run
-           reports and refusals; read the configuration, heartbeats and stop/finish flags.
+           reports, refusals and merge records; read the configuration, heartbeats and
+           stop/finish flags.
 reader     read every key of the run (``status``, ``inspect``, ``replay``, ``export``, ``plot``).
 operator   every key of the run (``init``, ``stop``, ``finish``, deleting a run).
 =========  ===================================================================================
@@ -62,8 +63,8 @@ def key_rules(run: str, role: str) -> list[str]:
     if role == "syncer":
         return [*read, legacy, f"%R~{keys.learners}", f"%R~{keys.heartbeat('*')}",
                 f"~{keys.syncers}", f"~{keys.events}", f"~{keys.done}", f"~{keys.refused}",
-                f"~{frag}:*"]
-    return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}",
+                f"~{keys.merged}", f"~{frag}:*"]
+    return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}", f"%R~{keys.merged}",
             f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
             f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
             f"%W~{keys.events}"]

@@ -29,6 +29,9 @@ key                                   type      contents
 ``ddl:{<run>}:refused``               hash      ``<learner>:<fragment>`` → JSON of the last
                                                 push of that learner and fragment the syncer
                                                 refused (``broker.records.Refusal``)
+``ddl:{<run>}:merged``                hash      ``<learner>:<fragment>`` → JSON of the last
+                                                push of that learner and fragment a round
+                                                merged (``broker.records.Merged``)
 ``ddl:{<run>}:stop``                  string    set to stop every process at once
 ``ddl:{<run>}:finish``                string    set to end training early: learners stop
                                                 stepping and take part in the final flush
@@ -90,6 +93,7 @@ class RunKeys:
         self.events = f"{base}:events"
         self.done = f"{base}:done"
         self.refused = f"{base}:refused"
+        self.merged = f"{base}:merged"
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"

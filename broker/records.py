@@ -534,6 +534,8 @@ class LearnerFinal(_JsonRecord):
     train_s: float = 0.0
     steps_per_s: float = 0.0
     rejected: int = 0  # merged values that failed a check (never applied)
+    # superseding pushes that found their predecessor merged (and rebased first)
+    rebased_merged: int = 0
     sig: str = ""  # the learner's signature (broker/signing.py), when it signs
 
 
@@ -546,6 +548,17 @@ class Refusal(_JsonRecord):
     base_version: int = 0
     step: int = 0
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class Merged(_JsonRecord):
+    """A round merged a learner's push (its base version and step) into `version`. A learner
+    about to push again over a push whose merged value never reached it rebases onto that
+    version first, so the new push carries only progress not merged yet."""
+
+    base_version: int = 0
+    step: int = 0
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -22,6 +23,7 @@ from broker.records import (
     FinalPushes,
     Heartbeat,
     LearnerFinal,
+    Merged,
     Refusal,
     SyncerFinal,
     SyncerInfo,
@@ -201,6 +203,26 @@ def refusal(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Refus
         return None
     try:
         return Refusal.from_json(raw, f"refusal of {learner!r}")
+    except DecodeError as e:
+        log.warning("ignored: %s", e)
+        return None
+
+
+def note_merged(r: redis.Redis, keys: RunKeys, merged: Mapping[tuple[str, int], Merged]
+                ) -> None:
+    """A round merged these pushes: (learner, fragment) → the last merged push of each."""
+    if merged:
+        r.hset(keys.merged, mapping={f"{n}:{p}": rec.to_json()
+                                     for (n, p), rec in merged.items()})
+
+
+def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Merged | None:
+    """The last merged push of `learner` to `fragment` (None: none, or a malformed record)."""
+    raw = r.hget(keys.merged, f"{learner}:{fragment}")
+    if raw is None:
+        return None
+    try:
+        return Merged.from_json(raw, f"merge record of {learner!r}")
     except DecodeError as e:
         log.warning("ignored: %s", e)
         return None

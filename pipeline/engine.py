@@ -197,7 +197,7 @@ class Engine:
         self.learners = []
         for m in range(M):
             params = {k: jnp.asarray(start[k]) for k in self.shapes}
-            core = LearnerCore(f"L{m}", self.frags, sync, start, [0] * len(self.frags))
+            core = self._core(f"L{m}", start, [0] * len(self.frags))
             self.learners.append(_Learner(m, f"L{m}", speeds[m], params, opt.init(params), core))
         for m, at_s, down_s in eng.failures:
             self._push_event(at_s, "fail", m, down_s)
@@ -205,6 +205,10 @@ class Engine:
         self.rounds = 0
         self.useful_s = 0.0
         self._work_s: dict[str, float] = {}  # entry id → learner-seconds of work it carries
+        self._pushed: dict[str, tuple[str, int, int]] = {}  # entry id → (learner, base, step)
+        # (learner, fragment) → (base version, step, version) of its last merged push: what the
+        # syncer's merge records tell a distributed learner (`LearnerCore.merged_lookup`)
+        self._merged: dict[tuple[str, int], tuple[int, int, int]] = {}
         self.now = 0.0
         first = self._eval(self._global(), 0, 0.0)
         tps = self._tokens_per_step()
@@ -286,6 +290,7 @@ class Engine:
                          push.tokens, dict(push.payload),
                          entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
         self._work_s[c.entry_id] = push.steps * eng.step_s / lr.speed
+        self._pushed[c.entry_id] = (lr.name, push.base_version, push.step)
         self._push_event(arrive, "arrive", c)
 
     def _on_arrive(self, c: Contribution) -> None:
@@ -320,8 +325,9 @@ class Engine:
             for _, why in s.take_drops():
                 self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
             return
-        for _, why in result.dropped:
+        for entry_id, why in result.dropped:
             self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1
+            self._pushed.pop(entry_id, None)
         self.clipped += len(result.clipped)
         self.outvoted += len(result.outvoted)
         n = len(result.included)
@@ -331,6 +337,9 @@ class Engine:
         frac = self.frag_sizes[p] / self.n_params
         for entry_id, *_ in result.included:
             self.useful_s += frac * self._work_s.pop(entry_id, 0.0)
+            if entry_id in self._pushed:
+                name, base, step = self._pushed.pop(entry_id)
+                self._merged[(name, p)] = (base, step, result.version)
         self.on_event("round", {"fragment": p, "version": result.version,
                                 "included": len(result.included), "dropped": len(result.dropped),
                                 "reason": reason, "time_s": self.now})
@@ -345,6 +354,24 @@ class Engine:
         deferred, self.deferred[p] = self.deferred[p], []
         for c in deferred:
             self._on_arrive(c)
+
+    def _core(self, name: str, start: dict, versions: list[int]) -> LearnerCore:
+        core = LearnerCore(name, self.frags, self.sync, start, versions)
+        core.merged_lookup = lambda p, f: self._merged_lookup(name, p, f)
+        return core
+
+    def _merged_lookup(self, name: str, p: int, f) -> tuple[int, dict] | None:
+        """As a distributed learner reads the merge records and a snapshot: the value of the
+        version that merged learner `name`'s push in flight (the latest if no longer held)."""
+        if self._merged.get((name, p), (None, None))[:2] != (f.base_version, f.step):
+            return None
+        version = self._merged[(name, p)][2]
+        s = self.syncers[p]
+        if version not in s.history:
+            version = s.version
+        lr = next(x for x in self.learners if x.name == name)
+        lr.bytes_received += sum(quant.payload_nbytes(q) for q in s.snapshot_tensors.values())
+        return version, s.history[version]
 
     def _on_deliver(self, m: int, p: int, version: int, values: dict) -> None:
         lr = self.learners[m]
@@ -372,8 +399,7 @@ class Engine:
             start.update(s.sent_values)
         lr.params = {k: jnp.asarray(start[k]) for k in self.shapes}
         lr.opt_state = self.opt.init(lr.params)
-        lr.core = LearnerCore(lr.name, self.frags, self.sync, start,
-                              [s.version for s in self.syncers])
+        lr.core = self._core(lr.name, start, [s.version for s in self.syncers])
         lr.alive, lr.blocked = True, False
         lr.clock_s = self.now
         self.on_event("restart", {"learner": lr.name, "time_s": self.now})

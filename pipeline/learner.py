@@ -5,11 +5,17 @@ step and token counters since then, the contribution in flight, and a received v
 to be applied. After each inner step `after_step` returns the pushes that are due; `on_global`
 takes a merged value, which is applied τ steps after the push (or at once if it arrives later).
 No I/O and no clock: the in-process engine and ``workers/learner.py`` drive it.
+
+A push is superseded when its merged value has not arrived H steps later: the next push of
+the fragment goes out anyway. If the old push was merged meanwhile (`merged_lookup`, which the
+driver answers from the syncer's merge records), the learner first rebases onto the version
+that merge produced, so the new push carries only the progress not merged yet — in δ, in its
+steps and in its tokens — never the merged part twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -29,6 +35,14 @@ class _InFlight:
     theta_at_push: dict[str, np.ndarray] | None  # kept only for the "rebase" apply rule
     steps_at_push: int = 0
     tokens_at_push: int = 0
+    # δ as pushed (quantised, or decoded after a restore): a superseding push that finds this
+    # one merged rebases onto base − δ (`rebase_merged`); None in checkpoints that lack it
+    pushed: Mapping[str, quant.QTensor | np.ndarray] | None = None
+
+    def pushed_values(self) -> dict[str, np.ndarray]:
+        assert self.pushed is not None
+        return {n: v if isinstance(v, np.ndarray) else quant.dequantize(v)
+                for n, v in self.pushed.items()}
 
 
 class LearnerCore:
@@ -55,6 +69,12 @@ class LearnerCore:
         self.inflight: list[_InFlight | None] = [None] * P
         self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
         self.applied = 0
+        # (fragment, the push in flight) → (version, value) if a round merged that push (the
+        # value of that version or a later one), else None; None: superseding pushes are sent
+        # without asking (they then repeat the merged progress)
+        self.merged_lookup: Callable[[int, _InFlight], tuple[int, Mapping[str, np.ndarray]]
+                                     | None] | None = None
+        self.rebased_merged = 0  # superseding pushes that found their predecessor merged
 
     def after_step(self, step: int, tokens: int, params: Params) -> tuple[Params, list[Push]]:
         """Count the step, apply merged values that are due, return the pushes that are due."""
@@ -65,6 +85,12 @@ class LearnerCore:
         pushes = []
         p = due_fragment(step, self.cfg.delta_h, len(self.fragments))
         if p is not None:
+            f = self.inflight[p]
+            if (f is not None and self._superseding(p, step) and f.pushed is not None
+                    and self.merged_lookup is not None and self.pending[p] is None):
+                found = self.merged_lookup(p, f)
+                if found is not None and found[0] > self.base_version[p]:
+                    params = self.rebase_merged(p, found[0], found[1], params)
             push = self._maybe_push(p, step, params)
             if push is not None:
                 pushes.append(push)
@@ -77,6 +103,30 @@ class LearnerCore:
             if self.inflight[p] is None and self.steps[p] > 0:
                 out.append(self._push(p, step, params))
         return out
+
+    def _superseding(self, p: int, step: int) -> bool:
+        """Is a push of p due over one in flight whose merged value is H steps late?"""
+        f = self.inflight[p]
+        return f is not None and step - f.step > self.cfg.sync_every and self.steps[p] > 0
+
+    def rebase_merged(self, p: int, version: int, value: Mapping[str, np.ndarray],
+                      params: Params) -> Params:
+        """The push in flight of fragment p was merged into `version` (`value`: that version's
+        value or a later one's) though the value never arrived: rebase onto it keeping only the
+        progress made since the push, θ ← value + (θ − (base − δ_pushed)), and count only the
+        steps and tokens since the push. The next push then carries just that progress (and
+        the quantisation error of the merged push, which the round never saw)."""
+        f = self.inflight[p]
+        assert f is not None and f.pushed is not None
+        pushed = f.pushed_values()
+        self.base[p] = {n: self.base[p][n] - pushed[n] for n in self.fragments[p]}
+        self.steps[p] -= f.steps_at_push
+        self.tokens[p] -= f.tokens_at_push
+        self.inflight[p] = None
+        self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
+                                     for n in self.fragments[p]})
+        self.rebased_merged += 1
+        return self._apply(p, params)
 
     def _maybe_push(self, p: int, step: int, params: Params) -> Push | None:
         f = self.inflight[p]
@@ -92,7 +142,7 @@ class LearnerCore:
                                      self.cfg.quant_block) for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
-                                     self.tokens[p])
+                                     self.tokens[p], payload)
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
@@ -191,6 +241,8 @@ class LearnerCore:
                 "tokens_at_push": f.tokens_at_push, "theta": f.theta_at_push is not None})
             if f is not None and f.theta_at_push is not None:
                 arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
+            if f is not None and f.pushed is not None:
+                arrays.update({f"pushed{p}/{n}": v for n, v in f.pushed_values().items()})
             pend = self.pending[p]
             meta["pending"].append(None if pend is None else pend[0])
             if pend is not None:
@@ -222,7 +274,10 @@ class LearnerCore:
         self.inflight = [None if f is None else _InFlight(
             int(f["step"]), int(f["base_version"]),
             group("theta_at_push", p) if f.get("theta") else None,
-            int(f["steps_at_push"]), int(f["tokens_at_push"]))
+            int(f["steps_at_push"]), int(f["tokens_at_push"]),
+            # older checkpoints lack it: that push, if superseded, goes out whole
+            group("pushed", p) if all(f"pushed{p}/{n}" in arrays for n in self.fragments[p])
+            else None)
             for p, f in enumerate(meta["inflight"])]
         self.pending = [None if v is None else (int(v), group("pending", p))
                         for p, v in enumerate(meta["pending"])]

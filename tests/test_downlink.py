@@ -3,6 +3,8 @@ exact reference every learner holds, with the error of one publish fed into the 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from helpers_broker import store_run, tiny_config
@@ -167,3 +169,76 @@ def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(re
     finally:
         net.sub.close()
         zctx.term()
+
+
+def test_the_quality_bench_compares_down_links_and_skips_finished_runs(tmp_path):
+    from ops.bench import quality
+    from pipeline import config as cfgmod
+
+    base = cfgmod.from_dict({
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+        "data": {"max_bytes": 200_000, "eval_batches": 2},
+        "inner": {"batch_size": 4, "warmup_steps": 2},
+        "sync": {"sync_every": 8, "fragments": 2},
+        "engine": {"eval_every": 10}, "learners": 2, "steps": 16})
+    only = ["frontier H=4 int4/bf16", "frontier H=4 int4/int4Δ"]
+    said: list[str] = []
+    quality.run_quality(base, tmp_path, only=only, frontier=[4], progress=said.append)
+    first = json.loads((tmp_path / "results.json").read_text())
+    assert list(first) == only and not any("skipped" in s for s in said)
+    bf16, int4 = (first[k] for k in only)
+    assert bf16["rounds"] == int4["rounds"] > 0
+    # the same rounds; each merged value costs about a quarter of the bytes as int4 deltas
+    assert int4["bytes_received"] < 0.45 * bf16["bytes_received"]
+    assert int4["bytes_sent"] == bf16["bytes_sent"]
+    said.clear()
+    quality.run_quality(base, tmp_path, only=only, frontier=[4], progress=said.append)
+    assert all("skipped" in s for s in said) and len(said) == 2
+    assert json.loads((tmp_path / "results.json").read_text()) == first
+
+
+def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,
+                                                                             redis_url):
+    """Real processes: L1 subscribes to a port nobody publishes on, so no merged value reaches
+    it by ZeroMQ and every push of it is superseded H steps later. Each time the syncer's
+    merge record says the superseded push was merged, L1 rebases onto that version's snapshot
+    first: no step of L1 is merged twice, and both learners end on the same values."""
+    import subprocess
+    import sys
+
+    from helpers_broker import REPO, run_to_the_end, syncer_cmd
+
+    from broker import registry
+    from broker.records import read_rounds
+    from ops.cluster import free_port
+
+    r = connect(redis_url)
+    steps = 60
+    cfg = tiny_config(learners=2, steps=steps, sync={"quorum": 1},
+                      broker={"snapshot_timeout_s": 30.0})
+    keys = store_run(r, "deaf", cfg)
+    base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "deaf",
+            "--state-dir", str(tmp_path / "state")]
+    cmds = {"syncer": syncer_cmd(redis_url, "deaf"), "L0": [*base, "--id", "L0"],
+            "L1": [*base, "--id", "L1", "--delay-s", "0.02",
+                   "--sub-endpoint", f"tcp://127.0.0.1:{free_port()}"]}
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in cmds}
+    procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
+             for n, c in cmds.items()}
+    try:
+        run_to_the_end(procs, ("L0", "L1", "syncer"), tmp_path, timeout_s=240)
+    finally:
+        for fh in logs.values():
+            fh.close()
+    ctx = open_run(redis_url, "deaf", wait_s=0)
+    reports = registry.learner_final_reports(r, keys)
+    assert reports["L0"].hashes == reports["L1"].hashes
+    for p in range(len(ctx.fragments)):
+        fk = ctx.keys.fragment(p)
+        merged = {i.entry_id for rnd in read_rounds(r, fk) for i in rnd.included
+                  if i.learner == "L1"}
+        steps_merged = sum(int(f[b"steps"]) for i, f in r.xrange(fk.frags)
+                           if i.decode() in merged)
+        # every step of L1 is merged at most once (the run is short: nothing trimmed)
+        assert 0 < steps_merged <= steps, (p, steps_merged)
+    assert reports["L1"].rebased_merged > 0, (tmp_path / "L1.log").read_text()[-3000:]

@@ -446,3 +446,38 @@ def test_load_state_refuses_a_checkpoint_of_other_fragments():
     del arrays[f"base1/{FC}"]
     with pytest.raises(ValueError, match="lacks"):
         make()[0].load_state(meta, arrays)
+
+
+def test_a_superseding_push_over_a_merged_one_carries_only_the_unmerged_progress():
+    core, params = make()
+    asked = []
+
+    def lookup(p, f):  # the syncer merged the step-2 push of fragment 1 into version 3
+        asked.append((p, f.base_version, f.step))
+        return (3, V) if (p, f.step) == (1, 2) else None
+
+    core.merged_lookup = lookup
+    params, pushes = run(core, params, range(1, 11))  # step 10 supersedes the step-2 push
+    assert (1, 0, 2) in asked and core.rebased_merged == 1
+    [push] = pushes[10]
+    # rebased onto v3 keeping the 8 steps since the push: θ = V + (θ − (base − δ₂)) = V − 8·G
+    np.testing.assert_array_equal(np_(params, FC), V[FC] - 8 * G[FC])
+    assert core.base_version[1] == 3 and push.base_version == 3
+    assert (push.step, push.steps, push.tokens) == (10, 8, 8 * TOKENS)
+    np.testing.assert_array_equal(decoded(push)[FC], 8 * G[FC])  # only the unmerged progress
+    # fragment 0's step-4 push was not merged: it goes out again whole at step 12
+    params, pushes = run(core, params, range(11, 13))
+    [p12] = pushes[12]
+    assert (p12.fragment, p12.base_version, p12.steps) == (0, 0, 12)
+
+
+def test_the_pushed_delta_survives_a_checkpoint():
+    core, params = make()
+    params, _ = run(core, params, range(1, 3))
+    meta, arrays = core.state_dict()
+    back = LearnerCore("a", FRAGS, CFG, BASE, [0, 0])
+    back.load_state(meta, arrays)
+    np.testing.assert_array_equal(back.inflight[1].pushed_values()[FC], 2 * G[FC])
+    del arrays[f"pushed1/{FC}"]  # an older checkpoint: no rebase, the push goes out whole
+    back.load_state(meta, arrays)
+    assert back.inflight[1].pushed is None

@@ -44,16 +44,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import redis
 import zmq
 
 from broker import codec, registry, signing
-from broker.errors import BrokerError
+from broker.errors import BrokerError, DecodeError
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
 from pipeline.contribution import poisoned
 from pipeline.learner import LearnerCore, Push
-from workers.common import RunContext, open_run, read_snapshot, stale_temps, write_npz_atomic
+from workers.common import (
+    RunContext,
+    decode_values,
+    open_run,
+    read_snapshot,
+    stale_temps,
+    write_npz_atomic,
+)
 from workers.learner_net import LearnerNet, read_push_log
 
 log = logging.getLogger("diloco.learner")
@@ -163,6 +171,7 @@ class Island:
         self._prior: Heartbeat | None = None
         self._joined: tuple[list[int], dict[str, np.ndarray]] | None = None
         self._push_time: dict[int, float] = {}
+        self._secs_at_push: dict[int, float] = {}  # secs[p] when p's push in flight went out
         self._t_last = self._t_start = self._t_first = 0.0
         self._t_rate, self._tok_rate = 0.0, 0
         self._steps_here = 0
@@ -246,6 +255,7 @@ class Island:
             for push in pushes:
                 self._send(push)
                 self._push_time[push.fragment] = time.monotonic()
+                self._secs_at_push[push.fragment] = self.secs[push.fragment]
             if self.core.blocked(self.step):
                 flat = self._wait_until_unblocked(flat)
                 self._reset_secs()
@@ -353,12 +363,51 @@ class Island:
             versions.append(snap[0])
             values.update(snap[1])
             self.net.joined_at(p, snap[0], snap[1])
-        self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+        self.core = self._new_core(values, versions)
         self._params = self._place({k: values[k] for k in self.ctx.shapes})
         self._joined = (versions, values)
         rejoin = any(versions)
         registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
                        versions=versions, pid=os.getpid(), devices=self.cfg.devices)
+
+    def _new_core(self, values: dict[str, np.ndarray], versions: list[int]) -> LearnerCore:
+        core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+        core.merged_lookup = self._merged_lookup
+        return core
+
+    def _merged_lookup(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Was fragment p's push in flight merged, though its value never came? Then that
+        version's value (or the latest, if Redis no longer keeps it) from its snapshot, for
+        `LearnerCore.rebase_merged`; None when it was not, or Redis cannot say now."""
+        fk = self.ctx.keys.fragment(p)
+        try:
+            rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
+            if rec is None or (rec.base_version, rec.step) != (f.base_version, f.step):
+                return None
+            blob = self.ctx.r.get(fk.sent(rec.version)) or self.ctx.r.get(fk.global_)
+            if blob is None:
+                return None
+            header, tensors = codec.unpack_snapshot(
+                blob, max_bytes=self.run_cfg.broker.max_payload_bytes)
+        except (redis.RedisError, DecodeError) as e:
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
+                        "pushing all its progress again", self.id, f.step, p, e)
+            return None
+        problem = self.net.check_value(header, tensors)
+        if problem or header.fragment != p or header.version < rec.version:
+            log.warning("%s: the snapshot of fragment %d is not usable (%s); pushing all "
+                        "the progress again", self.id, p, problem or "an older version")
+            return None
+        values = decode_values(tensors)
+        if not all(np.isfinite(v).all() for v in values.values()):
+            log.warning("%s: non-finite values in the snapshot of fragment %d", self.id, p)
+            return None
+        self.net.joined_at(p, header.version, values)
+        self.secs[p] = max(0.0, self.secs[p] - self._secs_at_push.get(p, 0.0))
+        log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
+                 "rebased onto v%d, pushing only the progress since", self.id, f.step, p,
+                 rec.version, header.version)
+        return header.version, values
 
     def _check_net(self) -> None:
         """Fail loudly if the network thread died (a learner must not train on unsynced)."""
@@ -426,6 +475,7 @@ class Island:
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
         meta["secs"] = list(self.secs)
+        meta["secs_at_push"] = {str(p): v for p, v in self._secs_at_push.items()}
         arrays = {
             "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
             "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
@@ -519,7 +569,7 @@ class Island:
             log.warning("%s: checkpoint progress not restored (%s); starting from the snapshots",
                         self.id, e)
             versions, values = self._joined
-            self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
+            self.core = self._new_core(values, versions)
             return False
         acked = self._acked_pushes()
         for p, f in enumerate(self.core.inflight):
@@ -529,6 +579,7 @@ class Island:
                 self._push_time[p] = time.monotonic()
         self._params = self._place(params)
         self.secs = [float(x) for x in meta.get("secs", self.secs)]
+        self._secs_at_push = {int(p): float(v) for p, v in meta.get("secs_at_push", {}).items()}
         versions, values = self._joined
         for p, v in enumerate(versions):
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base
@@ -599,7 +650,7 @@ class Island:
             bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
             pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
             step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s,
-            rejected=s.rejected)
+            rejected=s.rejected, rebased_merged=self.core.rebased_merged)
         report = self._signed("final", report)
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)

@@ -265,14 +265,9 @@ class LearnerNet(threading.Thread):
         p, version = header.fragment, header.version
         if version <= self._last_version.get(p, -1):
             return
-        if header.run != self.ctx.keys.run:
-            return self._reject(p, f"a value of run {header.run!r}, not {self.ctx.keys.run!r}")
-        if not 0 <= p < len(self.ctx.fragments):
-            return self._reject(p, f"fragment {p} is not one of the run's")
-        want = {n: tuple(self.ctx.shapes[n]) for n in self.ctx.fragments[p]}
-        got = {n: tuple(q.shape) for n, q in tensors.items()}
-        if got != want:
-            return self._reject(p, "tensors do not match the fragment's names and shapes")
+        problem = self.check_value(header, tensors)
+        if problem:
+            return self._reject(p, problem)
         with self._lock:
             if header.base >= 0:
                 if header.base != self._last_version.get(p, -1) or p not in self._ref:
@@ -299,6 +294,20 @@ class LearnerNet(threading.Thread):
                 nxt = min(held)
                 if held[nxt][0].base == version:
                     self._deliver(*held.pop(nxt))
+
+    def check_value(self, header, tensors: dict) -> str | None:
+        """Why a merged value (message or snapshot) is not one of this run's fragments'
+        (None: it is): its run, fragment, tensor names and shapes."""
+        p = header.fragment
+        if header.run != self.ctx.keys.run:
+            return f"a value of run {header.run!r}, not {self.ctx.keys.run!r}"
+        if not 0 <= p < len(self.ctx.fragments):
+            return f"fragment {p} is not one of the run's"
+        want = {n: tuple(self.ctx.shapes[n]) for n in self.ctx.fragments[p]}
+        got = {n: tuple(q.shape) for n, q in tensors.items()}
+        if got != want:
+            return "tensors do not match the fragment's names and shapes"
+        return None
 
     def _hold(self, p: int, header, tensors: dict) -> None:
         """A delta whose base this learner does not hold: keep it (a bounded few per

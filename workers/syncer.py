@@ -28,7 +28,15 @@ from broker.codec import EntryMeta
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import CurveServer, Publisher
-from broker.records import Drop, Included, Refusal, RoundRecord, SyncerFinal, SyncerInfo
+from broker.records import (
+    Drop,
+    Included,
+    Merged,
+    Refusal,
+    RoundRecord,
+    SyncerFinal,
+    SyncerInfo,
+)
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline.guard import fragment_prior
@@ -483,6 +491,9 @@ class Syncer:
             self._resync()
         self.cfg.faults.at("after", self.stats.commits)
         self._publish(p, f.core)
+        merged = {(n, p): Merged(f.entries[e].base_version, f.entries[e].step, result.version)
+                  for e, n, *_ in result.included if e in f.entries}
+        registry.note_merged(self.ctx.r, self.ctx.keys, merged)
         f.core.record_sync_time(time.monotonic() - t0)
         st = self.stats
         st.rounds += 1

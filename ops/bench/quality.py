@@ -6,6 +6,7 @@ reports final loss and accuracy, the gap to ddp and the measured bandwidth ratio
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -30,6 +31,14 @@ def bench_model_config() -> RunConfig:
     })
 
 
+# down-link codecs of the frontier: name → overrides ("Δ": deltas with error feedback)
+DOWN_LINKS = {
+    "bf16": {},
+    "int8Δ": {"sync.codec_down": "int8", "sync.down_delta": True},
+    "int4Δ": {"sync.codec_down": "int4", "sync.down_delta": True},
+}
+
+
 def variants(base: RunConfig) -> dict[str, RunConfig]:
     """Name → configuration of every run in the quality benchmark."""
     M = base.learners
@@ -41,6 +50,8 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
                                                       "sync.codec_down": "fp32"}),
         "decoupled int4/bf16": o(base, mode="decoupled"),
         "decoupled bf16/bf16": o(base, mode="decoupled", **{"sync.codec_up": "bf16"}),
+        # the delta down link: int4 deltas against the exact reference (error feedback)
+        "decoupled int4/int4Δ": o(base, mode="decoupled", **DOWN_LINKS["int4Δ"]),
         "decoupled plain mean": o(base, mode="decoupled", **{"sync.merge": "mean"}),
         "slow learner K=1 + grace": o(base, mode="decoupled", **{"engine.speeds": list(slow)}),
         "slow learner K=1 no grace": o(base, mode="decoupled", **{
@@ -93,18 +104,31 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
     if poison:
         runs = {"ddp": runs["ddp"], **poison_variants(base)}
     for h in frontier or []:
-        for up in ("int4", "bf16"):
-            runs[f"frontier H={h} {up}/bf16"] = cfgmod.override(
-                base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up})
+        for up, down in (("int4", "bf16"), ("bf16", "bf16"), ("int4", "int8Δ"),
+                         ("int4", "int4Δ")):
+            runs[f"frontier H={h} {up}/{down}"] = cfgmod.override(
+                base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up,
+                                           **DOWN_LINKS[down]})
     if only:
         runs = {k: v for k, v in runs.items() if k in only}
     out.mkdir(parents=True, exist_ok=True)
     corpus = run_corpus(base)
-    results = {}
+    # a run already in results.json with the same configuration is not run again, so a long
+    # benchmark can span several sittings
+    done = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() \
+        else {}
+    results = {k: v for k, v in done.items() if k not in runs}  # other sittings' runs stay
     for name, cfg in runs.items():
+        key = config_key(cfg)
+        if done.get(name, {}).get("config_key") == key:
+            results[name] = done[name]
+            if progress is not None:
+                progress(f"{name:28s} finished before: skipped")
+            continue
         t0 = time.perf_counter()
         s = Engine(cfg, corpus, wire=codec_sizes()).run()
         s["compute_s"] = time.perf_counter() - t0
+        s["config_key"] = key
         results[name] = s
         if progress is not None:
             progress(f"{name:28s} loss {s['final_eval_loss']:.4f} acc "
@@ -124,6 +148,13 @@ def _guard_cell(s: dict) -> str:
     d = s.get("dropped_by_kind", {})
     cell = f"{d.get('tokens', 0)}, {d.get('norm', 0)}"
     return cell + (f" (+{s['guard_clipped']} clipped)" if s.get("guard_clipped") else "")
+
+
+def config_key(cfg: RunConfig) -> str:
+    """A run's whole configuration (engine included) as a short hash: a finished run is
+    skipped only when its configuration is the same."""
+    return hashlib.sha256(json.dumps(cfgmod.to_dict(cfg), sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
 
 
 def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--out", default="runs/bench-quality", help="output folder")
     q.add_argument("--only", default="", help="comma-separated subset of variant names")
     q.add_argument("--frontier", default="", metavar="H,H,...",
-                   help="also run decoupled at these sync intervals H with both codec pairs")
+                   help="also run decoupled at these sync intervals H with each up/down codec pair "
+                        "(int4/bf16, bf16/bf16, int4/int8Δ, int4/int4Δ; Δ: delta down link)")
     q.add_argument("--poison", action="store_true",
                    help="the poison guard's variants instead: one learner of M poisoned "
                         "(10⁴× norm, 10⁴× tokens, sign-flipped δ), guard on vs off")

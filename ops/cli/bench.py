@@ -1,5 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|security|s1|s2|
-poison`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|security|step|
+s1|s2|poison`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import islands, pipeline, quality, resilience
+from ops.bench import islands, pipeline, quality, resilience, step
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 
@@ -25,7 +25,9 @@ _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on 
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
              ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"),
              ("security", pipeline.bench_security,
-              "TLS + ACL + CURVE + signatures vs open: latency, throughput, overlap"))
+              "TLS + ACL + CURVE + signatures vs open: latency, throughput, overlap"),
+             ("step", step.bench_step,
+              "the inner step vs this machine's matmul rate; the learner loop vs the bare step"))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

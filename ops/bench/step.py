@@ -1,0 +1,172 @@
+"""`diloco bench step`: the learner's inner step against what this machine can do.
+
+Side by side in one run, at each thread count (all cores, and one core):
+
+* the machine's fp32 matrix-multiply rate: the best of numpy (its BLAS) and JAX (XLA) on
+  1024 × 1024 matrices;
+* the jitted training step (`pipeline.train.make_step`: forward, backward, AdamW) of the model
+  `ModelConfig` defaults to, as shipped, and of the previous implementation of its forward pass
+  (3-D activations, attention by per-head einsums, the causal mask by `where`) kept here as the
+  baseline; its FLOPs are counted as 6 × parameters × tokens + 12 × layers × d_model ×
+  seq_len × tokens (the attention scores and their use, forward and backward), so efficiency
+  = achieved FLOP/s ÷ the best matmul FLOP/s at the same thread count;
+* the learner loop: one real learner process (syncing to a real syncer and Redis, learner on
+  core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core.
+
+Every measurement of a thread count runs in its own process (XLA and OpenBLAS fix their
+thread pools when they start), pinned with ``taskset`` where the machine has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+N_MATMUL = 1024
+
+
+def step_flops(d_model: int, n_layers: int, seq_len: int, params: int, tokens: int) -> float:
+    """FLOPs of one training step (forward + backward) over `tokens` tokens."""
+    return 6.0 * params * tokens + 12.0 * n_layers * d_model * seq_len * tokens
+
+
+def _best(fn, reps: int) -> float:
+    """Best wall time of `fn()` over `reps` calls (after one warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _reference_forward(params, tokens, cfg):
+    """The forward pass as shipped before this benchmark existed: the baseline."""
+    import jax
+    import jax.numpy as jnp
+
+    from pipeline.model import _layer_norm
+
+    _, t = tokens.shape
+    h = cfg.n_heads
+    x = params["wte"][tokens] + params["wpe"][:t]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(cfg.n_layers):
+        p = f"h{i}."
+        y = _layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
+        q, k, v = jnp.split(y @ params[p + "attn.qkv"], 3, axis=-1)
+        q, k, v = (z.reshape(z.shape[0], t, h, -1) for z in (q, k, v))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]).astype(np.float32)
+        att = jax.nn.softmax(jnp.where(mask, att, jnp.float32(-1e30)), axis=-1)
+        y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(x.shape)
+        x = x + y @ params[p + "attn.proj"]
+        y = _layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
+        x = x + jax.nn.gelu(y @ params[p + "mlp.fc"]) @ params[p + "mlp.proj"]
+    x = _layer_norm(x, params["lnf.g"], params["lnf.b"])
+    return x @ params["wte"].T
+
+
+def measure(steps: int) -> dict[str, Any]:
+    """This process's measurements (see the module docstring); run in a fresh process."""
+    import jax
+    import jax.numpy as jnp
+
+    from pipeline import model
+    from pipeline.config import RunConfig
+    from pipeline.task import n_params, task_of
+    from pipeline.train import make_step
+
+    cfg = RunConfig()
+    mc = cfg.model
+    task = task_of(cfg)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
+    b = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
+    mm_flops = 2.0 * N_MATMUL**3
+    out: dict[str, Any] = {"threads": len(os.sched_getaffinity(0)),
+                           "matmul_n": N_MATMUL}
+    out["matmul_numpy_gflops"] = mm_flops / _best(lambda: a @ b, 20) / 1e9
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    mm = jax.jit(lambda x, y: x @ y)
+    out["matmul_jax_gflops"] = mm_flops / _best(
+        lambda: mm(ja, jb).block_until_ready(), 20) / 1e9
+    peak = max(out["matmul_numpy_gflops"], out["matmul_jax_gflops"])
+    tokens = cfg.inner.batch_size * mc.seq_len
+    flops = step_flops(mc.d_model, mc.n_layers, mc.seq_len, n_params(task), tokens)
+    out.update(model=dict(d_model=mc.d_model, n_layers=mc.n_layers, n_heads=mc.n_heads,
+                          seq_len=mc.seq_len, batch=cfg.inner.batch_size),
+               params=n_params(task), tokens_per_step=tokens, step_gflop=flops / 1e9)
+    batch = jnp.asarray(rng.integers(0, mc.vocab_size, (cfg.inner.batch_size, mc.seq_len + 1)),
+                        jnp.int32)
+    shipped = model.forward
+    for name, fwd in (("shipped", shipped), ("previous", _reference_forward)):
+        model.forward = fwd  # loss_and_accuracy looks it up at trace time
+        try:
+            opt = task.optimizer()
+            params = task.init_params(cfg.seed)
+            state = opt.init(params)
+            step = make_step(task, opt)
+            params, state, _ = step(params, state, batch)  # compile
+            jax.block_until_ready(params)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                params, state, m = step(params, state, batch)
+                jax.block_until_ready(params)
+                times.append(time.perf_counter() - t)
+        finally:
+            model.forward = shipped
+        med = statistics.median(times)
+        out[name] = {"step_s_median": med, "step_s_min": min(times),
+                     "gflops": flops / med / 1e9, "efficiency": flops / med / 1e9 / peak,
+                     "loss_after": float(m["loss"])}
+    return out
+
+
+def _child(threads: int | None, steps: int) -> dict[str, Any]:
+    """`measure` in a fresh process, on core 0 alone when `threads` is 1."""
+    env = dict(os.environ)
+    cmd = [sys.executable, "-c",
+           f"import json; from ops.bench.step import measure; print(json.dumps(measure({steps})))"]
+    if threads == 1:
+        env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", "0", *cmd]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
+                          timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"step measurement failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_step(quick: bool = False) -> dict[str, Any]:
+    """The step benchmark's JSON (see the module docstring)."""
+    from ops.bench.pipeline import _overlap
+    from pipeline import config as cfgmod
+    from pipeline.config import RunConfig
+
+    steps = 10 if quick else 40
+    out: dict[str, Any] = {"bench": "step", "cores": os.cpu_count()}
+    out["all_cores"] = _child(None, steps)
+    out["one_core"] = _child(1, steps)
+    # the learner loop in a real run: one learner syncing, pinned to core 0 as the one-core
+    # bare step is (the default model, every push and checkpoint of a real run)
+    base = cfgmod.override(RunConfig(), learners=1, steps=60 if quick else 300,
+                           **{"sync.quorum": 1})
+    loop = _overlap(base, [sys.executable, "-m", "workers.learner"], quick, modes=("on",))
+    bare = 1.0 / out["one_core"]["shipped"]["step_s_median"]
+    out["learner_loop"] = {**loop, "bare_steps_per_s": bare,
+                           "ratio": loop["steps_per_s_on"] / bare}
+    for key in ("all_cores", "one_core"):
+        m = out[key]
+        m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]
+    return out

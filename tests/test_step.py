@@ -1,0 +1,41 @@
+"""The learner's inner step: the shipped forward pass computes what the previous one did
+(`ops.bench.step` keeps the previous one as its baseline), and the step's FLOP count."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops.bench.step import _reference_forward, step_flops
+from pipeline import model
+from pipeline.config import ModelConfig
+
+
+@pytest.mark.parametrize("shape", [dict(d_model=32, n_layers=2, n_heads=4, seq_len=16),
+                                   dict(d_model=24, n_layers=1, n_heads=3, seq_len=9)])
+def test_the_shipped_forward_and_its_gradient_equal_the_previous_ones(shape):
+    cfg = ModelConfig(**shape)
+    params = model.init_params(cfg, 0)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, cfg.seq_len), 0, cfg.vocab_size)
+    new, old = model.forward(params, tokens, cfg), _reference_forward(params, tokens, cfg)
+    assert new.shape == old.shape == (3, cfg.seq_len, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-5)
+    # causal: the logits of position i do not depend on tokens after i
+    later = tokens.at[:, -1].set((tokens[:, -1] + 1) % cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(model.forward(params, later, cfg))[:, :-1],
+                                  np.asarray(new)[:, :-1])
+
+    def loss(fwd):
+        return lambda p: jnp.mean(fwd(p, tokens, cfg) ** 2)
+
+    g_new, g_old = jax.grad(loss(model.forward))(params), jax.grad(loss(_reference_forward))(
+        params)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(g_new[k]), np.asarray(g_old[k]), rtol=1e-4,
+                                   atol=1e-6, err_msg=k)
+
+
+def test_step_flops_counts_six_per_parameter_and_token_plus_attention():
+    assert step_flops(128, 4, 128, 1000, 10) == 6 * 1000 * 10 + 12 * 4 * 128 * 128 * 10

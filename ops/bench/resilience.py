@@ -68,11 +68,12 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
 
 def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
        kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet,
-       live: Live | None = None) -> dict:
+       live: Live | None = None, base: RunConfig | None = None) -> dict:
     """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
-    the kill schedule). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
+    the kill schedule). `base`: the configuration both modes start from (default
+    `base_config`). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
-    base = base_config()
+    base = base or base_config()
     corpus = run_corpus(base)
     runs = {}
     for seed in seeds:
@@ -93,12 +94,17 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
         "final_loss_sync_diloco_mean": _mean(r["sync-diloco"]["final_eval_loss"]
                                              for r in runs.values()),
         "kills_per_seed": {s: r["kills"] for s, r in runs.items()},
+        # a killed learner's restart until its first contribution is merged again
+        **{f"rejoin_s_{stat}_{mode.replace('-', '_')}": agg(
+            r[mode].get(f"rejoin_s_{stat}") for r in runs.values())
+           for mode in ("decoupled", "sync-diloco")
+           for stat, agg in (("p50", _mean), ("max", _max))},
     }
     summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
                                          / summary["goodput_sync_diloco_mean"])
     doc = _save(out, "s1", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
                                            "seeds": seeds}, base)
-    _plot(out / "s1.png", runs, "S1: learner failures (shaded), M=4")
+    _plot(out / "s1.png", runs, f"S1: learner failures (shaded), M={base.learners}")
     return doc
 
 
@@ -237,6 +243,11 @@ def _tail_mean(history: list[dict], tail_s: float) -> float | None:
 def _mean(values) -> float | None:
     vals = [v for v in values if v is not None]
     return float(sum(vals) / len(vals)) if vals else None
+
+
+def _max(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
 
 
 def _save(out: Path, name: str, runs: dict, summary: dict, params: dict,

@@ -16,6 +16,7 @@ from pathlib import Path
 from ops.bench import islands, pipeline, quality, resilience, step
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
+from pipeline.config import ConfigError
 
 _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on ÷ off"),
              ("overlap-library", pipeline.bench_overlap_library,
@@ -62,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "schedule; s2: model initialisation and data order)")
         b.add_argument("--out", default=f"runs/bench-{name}")
         b.add_argument("--quiet", action="store_true", help="no live progress")
+        if name == "s1":
+            b.add_argument("--learners", type=int, help="learners M (default 4)")
+            b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a field of the benchmark's configuration, e.g. "
+                                "--set model.d_model=128 (TOML value syntax)")
         if name == "s2":
             b.add_argument("--variants", default=",".join(resilience.S2_VARIANTS[:3]),
                            help="comma-separated subset of: " + "; ".join(
@@ -127,6 +133,12 @@ def _resilience(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         return fail(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    base = None
+    if args.bench == "s1" and (args.learners or args.set):
+        try:
+            base = config_from_args(args, base=resilience.base_config())
+        except ConfigError as e:
+            return fail(str(e))
     view = LiveView(mode="quiet" if args.quiet else "auto", title=f"bench {args.bench}")
     common = {"duration_s": args.duration, "pace_s": args.pace_s, "progress": _progress,
               "live": chaos_view(view)}
@@ -137,7 +149,7 @@ def _resilience(args: argparse.Namespace) -> int:
     with view:
         if args.bench == "s1":
             doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
-                                down_s=args.down_s, **common)
+                                down_s=args.down_s, base=base, **common)
         else:
             doc = resilience.s2(Path(args.out), seeds, names, **common)
     d = resilience.digest(doc)

@@ -171,6 +171,9 @@ class Island:
         self._prior: Heartbeat | None = None
         self._joined: tuple[list[int], dict[str, np.ndarray]] | None = None
         self._push_time: dict[int, float] = {}
+        # the training thread's last sign of life: a step, or a wait on merged values (the
+        # liveness probe, workers/metrics.py)
+        self.last_tick = time.monotonic()
         self._secs_at_push: dict[int, float] = {}  # secs[p] when p's push in flight went out
         self._t_last = self._t_start = self._t_first = 0.0
         self._t_rate, self._tok_rate = 0.0, 0
@@ -263,7 +266,7 @@ class Island:
             if self.core.applied != applied:
                 flat = self._place(flat)
         self._params = flat
-        now = time.monotonic()
+        now = self.last_tick = time.monotonic()
         if now - self._t_rate >= 1.0:
             tps = (self.tokens_done - self._tok_rate) / (now - self._t_rate)
             self._t_rate, self._tok_rate = now, self.tokens_done
@@ -417,6 +420,7 @@ class Island:
 
     def _drain_inbox(self, timeout_s: float = 0.0) -> int:
         self._check_net()
+        self.last_tick = time.monotonic()
         n = 0
         try:
             item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \

@@ -129,6 +129,11 @@ class Learner:
             time.sleep(self.cfg.delay_s)
 
 
+# /healthz fails when the training loop has not stepped (or waited on a merged value) for
+# max(this, 20 steps)
+LIVENESS_MIN_S = 120.0
+
+
 def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
     apply_environment()
@@ -139,10 +144,14 @@ def main(cfg: LearnerConfig) -> int:
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)
     if cfg.metrics_port:
-        from workers.metrics import learner_spec, serve
+        from workers.metrics import learner_spec, serve, stalled
 
-        serve(cfg.metrics_port, "diloco_learner", learner_spec(learner.island),
-              addr=cfg.metrics_host)
+        island = learner.island
+        serve(cfg.metrics_port, "diloco_learner", learner_spec(island), addr=cfg.metrics_host,
+              live=stalled(lambda: island.last_tick if island.core is not None
+                           else time.monotonic(),  # joining: bounded by wait_config_s
+                           lambda: max(LIVENESS_MIN_S, 20 * island.step_s), "the training loop"),
+              ready=lambda: None if island.core is not None else "joining the run")
     try:
         learner.train()
         if not learner.island.net.stop_seen:

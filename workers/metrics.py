@@ -1,14 +1,21 @@
-"""Prometheus text endpoints of the learner and the syncer (off unless a port is given).
+"""Prometheus text endpoints of the learner and the syncer (off unless a port is given), with
+health probes for schedulers.
 
 Values are read from the process's own counters at scrape time (a custom collector), so there
 is no second set of books to keep in step. The counters are the ones the chaos accounting uses.
+The same port answers ``/healthz`` (liveness: the process's main loop is making progress) and
+``/readyz`` (readiness: it has joined the run) with 200 ``ok`` or 503 and the reason, from the
+process's own state — what a Kubernetes probe or a load balancer asks.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # name → (type, help, getter returning a number or {label value: number})
@@ -33,13 +40,60 @@ class _Collector:
             yield fam
 
 
+# a probe: None when healthy, else why not
+Probe = Callable[[], "str | None"]
+
+
 def serve(port: int, prefix: str, spec: Spec, label: str = "fragment",
-          addr: str = "127.0.0.1") -> CollectorRegistry:
-    """Start the HTTP endpoint on `port` (a daemon thread) and return its registry."""
+          addr: str = "127.0.0.1", live: Probe | None = None,
+          ready: Probe | None = None) -> CollectorRegistry:
+    """Start the HTTP endpoint on `port` (a daemon thread) and return its registry:
+    ``/metrics`` (Prometheus text), ``/healthz`` (`live`) and ``/readyz`` (`ready`)."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(prefix, label, spec))
-    start_http_server(port, addr=addr, registry=reg)
+    probes = {"/healthz": live, "/readyz": ready}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            path = self.path.split("?", 1)[0]
+            if path in probes:
+                probe = probes[path]
+                try:
+                    why = probe() if probe is not None else None
+                except Exception as e:  # noqa: BLE001 - a failing probe is a failed probe
+                    why = f"probe failed: {type(e).__name__}"
+                self._reply(503 if why else 200, "text/plain; charset=utf-8",
+                            (why or "ok").encode() + b"\n")
+            elif path in ("/metrics", "/"):
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(reg))
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, code: int, ctype: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes and probes are not log lines
+            pass
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"metrics-{port}", daemon=True).start()
     return reg
+
+
+def stalled(last_tick: Callable[[], float], limit_s: Callable[[], float], what: str) -> Probe:
+    """A liveness probe: unhealthy when `last_tick()` (a time.monotonic value) is older than
+    `limit_s()` seconds."""
+    def probe() -> str | None:
+        idle = time.monotonic() - last_tick()
+        limit = limit_s()
+        return f"{what} made no progress for {idle:.0f} s (limit {limit:.0f} s)" \
+            if idle > limit else None
+    return probe
 
 
 def learner_spec(learner) -> Spec:

@@ -156,6 +156,8 @@ class Syncer:
         self.live: frozenset[str] = frozenset()
         self.step_time_s = 1.0
         self.stats = SyncerStats()
+        self.phase = "starting"  # → "standing by" (another syncer holds a lease) → "active"
+        self.last_tick = time.monotonic()  # the loop's last round (the liveness probe)
         self._next_live = 0.0
         self._next_lease = 0.0
         self._next_claim = 0.0
@@ -175,6 +177,7 @@ class Syncer:
         for p in self.owned:
             while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
                 log.info("fragment %d is leased by another syncer; standing by", p)
+                self.phase, self.last_tick = "standing by", time.monotonic()
                 time.sleep(self.bcfg.lease_ms / 3000)
             self.streams.ensure_group(p)
             state_blob, _ = self.streams.load_state(p)
@@ -205,6 +208,7 @@ class Syncer:
             self._lost(p, [e.entry_id for e in pending if not e.fields])
             self._handle([e for e in pending if e.fields], check_deliveries=True)
         self._claim(force=True)
+        self.phase = "active"
 
     def run_finished(self) -> bool:
         """True when the run is over: every learner has its final report and the final rounds
@@ -561,6 +565,7 @@ class Syncer:
 
     def poll_once(self) -> bool:
         """One iteration: read, merge, close due rounds, finish the run. True when done."""
+        self.last_tick = time.monotonic()
         self._refresh()
         entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
                                         block_ms=self.bcfg.block_ms)
@@ -649,6 +654,10 @@ class Syncer:
                            redis_version=stored, version=f.core.version)
 
 
+# /healthz fails when the syncer's loop (or its standby wait) has not gone round for this long
+LIVENESS_S = 60.0
+
+
 def main(cfg: SyncerConfig) -> int:
     """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
     native.install()
@@ -657,9 +666,11 @@ def main(cfg: SyncerConfig) -> int:
     zctx = zmq.Context()
     s = Syncer(cfg, ctx, zctx)
     if cfg.metrics_port:
-        from workers.metrics import serve, syncer_spec
+        from workers.metrics import serve, stalled, syncer_spec
 
-        serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s), addr=cfg.metrics_host)
+        serve(cfg.metrics_port, "diloco_syncer", syncer_spec(s), addr=cfg.metrics_host,
+              live=stalled(lambda: s.last_tick, lambda: LIVENESS_S, "the syncer loop"),
+              ready=lambda: None if s.phase in ("active", "standing by") else "starting")
     try:
         if s.run_finished():
             log.info("run %r has finished (every learner's final report is in and the final "

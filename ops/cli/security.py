@@ -7,7 +7,7 @@ from pathlib import Path
 
 import redis
 
-from broker import acl
+from broker import acl, signing
 from broker.connection import connect, redact
 from broker.keys import check_run_name
 from ops.cli.common import fail, fail_on
@@ -52,6 +52,11 @@ def _acl(args: argparse.Namespace) -> int:
         write_role_urls(out, users, args.url)
     except OSError as e:
         return fail(f"--out {out}: {e.strerror or e}")
+    try:  # the same users as an aclfile for a redis-server that loads one (--aclfile)
+        signing.write_private(out / "users.acl", "".join(
+            "user " + " ".join(u.setuser(run)[2:]) + "\n" for u in users))
+    except OSError as e:
+        return fail(f"--out {out}: {e.strerror or e}")
     for u in users:
         print(acl.command_line(u.setuser(run)))
     if args.apply:
@@ -62,7 +67,8 @@ def _acl(args: argparse.Namespace) -> int:
         except (redis.RedisError, ValueError) as e:
             return fail_on(e)
         print(f"# applied to {redact(args.redis_url)}; run ACL SAVE there if it uses an aclfile")
-    print(f"# role URLs written to {out}/{{{','.join(acl.ROLES)}}}.url (mode 600)")
+    print(f"# role URLs written to {out}/{{{','.join(acl.ROLES)}}}.url (mode 600), the users "
+          f"as an aclfile to {out}/users.acl")
     return 0
 
 

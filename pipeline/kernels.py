@@ -11,11 +11,17 @@ Both implementations give the same bits: the decoded values are quant's, product
 rounded the same way (the C is built with -ffp-contract=off), and the dot products use one
 fixed summation order — element j goes to lane j % LANES, each lane sums in increasing j, and
 the lanes are added 0..LANES-1 — so a run's results do not depend on which one ran.
+
+With `set_threads(n)` the compiled kernels split a call's tensors into n groups of about equal
+size and run them on a thread pool (ctypes releases the GIL): one syncer process merges a
+fragment on the cores it is given. Each tensor's arithmetic is the same whatever the grouping,
+so the results are identical bit for bit at any thread count.
 """
 
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -24,6 +30,49 @@ from pipeline import quant
 LANES = 32  # must equal LANES in workers/kernels.c
 _CODE = {"fp32": 0, "int4": 4, "int8": 8, "bf16": 16}
 _lib: ctypes.CDLL | None = None
+_pool: ThreadPoolExecutor | None = None
+# a call over fewer values than this runs on the calling thread (a pool's hand-off costs more)
+MIN_PARALLEL_VALUES = 1 << 17
+
+
+def set_threads(n: int) -> None:
+    """Run the compiled kernels of one call on up to `n` threads (1: the calling thread)."""
+    global _pool
+    if n < 1:
+        raise ValueError(f"merge threads must be >= 1, got {n}")
+    old, _pool = _pool, ThreadPoolExecutor(n, thread_name_prefix="merge") if n > 1 else None
+    if old is not None:
+        old.shutdown(wait=True)
+
+
+def threads() -> int:
+    return _pool._max_workers if _pool is not None else 1
+
+
+def _groups(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of `sizes` in at most n groups of about equal total (largest first, each to the
+    lightest group), each group in increasing index order."""
+    loads = [0] * n
+    groups: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = loads.index(min(loads))
+        groups[g].append(i)
+        loads[g] += sizes[i]
+    return [sorted(g) for g in groups if g]
+
+
+def _split(qs: list, accs: list[np.ndarray] | None = None) -> list[list[int]] | None:
+    """How to split one call over the pool (None: run it on this thread). A call that adds
+    into one accumulator twice (`accs`) is not split: its writes would race."""
+    if _pool is None or len(qs) < 2:
+        return None
+    if accs is not None and len({a.ctypes.data for a in accs}) < len(accs):
+        return None
+    sizes = [size(q) for q in qs]
+    if sum(sizes) < MIN_PARALLEL_VALUES:
+        return None
+    groups = _groups(sizes, threads())
+    return groups if len(groups) > 1 else None
 
 
 def install(lib: ctypes.CDLL | None) -> None:
@@ -111,7 +160,19 @@ def stats(items: list[tuple[quant.QTensor | np.ndarray, np.ndarray | None]]
                         if anchor is not None else 0.0))
         return out
     res = np.zeros(2 * len(qs), np.float64)
-    lib.diloco_stats(len(qs), *_layout(qs), _ptrs(anchors), res.ctypes.data)
+    groups = _split(qs)
+    if groups is None:
+        lib.diloco_stats(len(qs), *_layout(qs), _ptrs(anchors), res.ctypes.data)
+    else:
+        def run(g: list[int]) -> np.ndarray:
+            part = np.zeros(2 * len(g), np.float64)
+            lib.diloco_stats(len(g), *_layout([qs[i] for i in g]),
+                             _ptrs([anchors[i] for i in g]), part.ctypes.data)
+            return part
+
+        for g, part in zip(groups, _pool.map(run, groups), strict=True):
+            for j, i in enumerate(g):
+                res[2 * i:2 * i + 2] = part[2 * j:2 * j + 2]
     return [(float(res[2 * i]), float(res[2 * i + 1])) for i in range(len(qs))]
 
 
@@ -137,8 +198,18 @@ def axpy(items: list[tuple[np.ndarray, quant.QTensor | np.ndarray, float]]) -> N
             flat = acc.reshape(-1)
             flat += d
         return
-    coef = np.asarray(cs, np.float64)
-    lib.diloco_axpy(len(qs), *_layout(qs), coef.ctypes.data, _ptrs(accs))
+    groups = _split(qs, accs)
+    if groups is None:
+        coef = np.asarray(cs, np.float64)
+        lib.diloco_axpy(len(qs), *_layout(qs), coef.ctypes.data, _ptrs(accs))
+        return
+
+    def run(g: list[int]) -> None:  # every accumulator is its tensor's own: no shared writes
+        coef = np.asarray([cs[i] for i in g], np.float64)
+        lib.diloco_axpy(len(g), *_layout([qs[i] for i in g]), coef.ctypes.data,
+                        _ptrs([accs[i] for i in g]))
+
+    list(_pool.map(run, groups))
 
 
 def _ptrs(arrays: list[np.ndarray | None]):

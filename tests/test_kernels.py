@@ -174,3 +174,35 @@ def test_build_cache_and_fallbacks(tmp_path):
     assert _probe({"DILOCO_KERNEL_CACHE": str(cache), "DILOCO_KERNELS": "numpy"}) == "numpy"
     assert _probe({"DILOCO_KERNEL_CACHE": str(tmp_path / "other"),
                    "CC": str(tmp_path / "no-such-compiler")}) == "numpy"
+
+
+def test_a_thread_pool_gives_the_same_bits(monkeypatch):
+    """A fragment's tensors split over merge threads: identical sums and statistics, and a call
+    that adds into one accumulator twice stays on one thread (no racing writes)."""
+    if native.install() != "c":
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setattr(kernels, "MIN_PARALLEL_VALUES", 1)
+    rng = np.random.default_rng(7)
+    sizes = [70_000, 5, 4097, 996, 123_457, 64, 1001]
+    qs = [quant.quantize(rng.normal(size=n).astype(np.float32), "int4") for n in sizes]
+    anchors = [rng.normal(size=n).astype(np.float32) for n in sizes]
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            assert kernels.threads() == n
+            accs = [np.zeros(s) for s in sizes]
+            for i in range(3):
+                kernels.axpy([(acc, q, 0.5 + i) for acc, q in zip(accs, qs, strict=True)])
+            shared = np.zeros(sizes[0])  # one accumulator, two tensors: kept on one thread
+            kernels.axpy([(shared, qs[0], 1.0), (shared, anchors[0], -2.0)])
+            runs.append((accs, shared, kernels.stats(list(zip(qs, anchors, strict=True)))))
+    finally:
+        kernels.set_threads(1)
+    for accs, shared, st in runs[1:]:
+        for a, b in zip(accs, runs[0][0], strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(shared, runs[0][1])
+        assert st == runs[0][2]
+    # largest first, each to the lightest group: totals 8 and 7
+    assert kernels._groups([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]

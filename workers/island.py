@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import redis
 import zmq
@@ -148,7 +147,13 @@ class Island:
         self._push_log = self.state_dir / f"{self.id}.acked.jsonl" if self.state_dir else None
         self.net = LearnerNet(self.ctx, self.id, self.zctx, acked_log=self._push_log,
                               sub_endpoints=cfg.sub_endpoints, curve=cfg.curve)
-        self._place = place or (lambda flat: {k: jnp.asarray(v) for k, v in flat.items()})
+        # Committed to the device like the jitted step's outputs: a mix of committed and
+        # uncommitted inputs is a new signature for jit, and every fragment's merged value
+        # arriving as a fresh array made the step compile again (2.5 s each, a dozen times
+        # after every restart, before the compilations of every mix were in memory).
+        device = jax.devices()[0]
+        self._place = place or (lambda flat: {k: jax.device_put(v, device)
+                                              for k, v in flat.items()})
         self.tokens_per_step = self.ctx.task.tokens_per_step()
         self.max_tokens_per_step = cfg.max_tokens_per_step or self.tokens_per_step
         if self.max_tokens_per_step < self.tokens_per_step:

@@ -39,6 +39,7 @@ from broker.records import (
 )
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
+from pipeline import kernels
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native
@@ -88,6 +89,9 @@ class SyncerConfig:
     metrics_host: str = "127.0.0.1"          # the address it binds
     curve: CurveServer | None = None         # ZeroMQ CURVE (--curve-secret, --curve-allow)
     sign_keys: str | None = None             # folder of learner signing keys (--sign-keys)
+    # threads of the merge kernels (pipeline.kernels.set_threads); 0: the CPUs this process
+    # may run on, at most 8
+    merge_threads: int = 0
     faults: CommitFaults = CommitFaults()
     # the user task this process may import: only to initialise a fragment that has no state
     # yet (shapes come from the run's stored spec otherwise); never its data
@@ -658,9 +662,17 @@ class Syncer:
 LIVENESS_S = 60.0
 
 
+def _threads_arg(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"expected 0 (automatic) to 256, got {n}")
+    return n
+
+
 def main(cfg: SyncerConfig) -> int:
     """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
     native.install()
+    kernels.set_threads(cfg.merge_threads or min(8, len(os.sched_getaffinity(0))))
     apply_environment()
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task)
     zctx = zmq.Context()
@@ -701,6 +713,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--advertise-host", default=None,
                     help="host name learners use to reach this syncer (default: bind host)")
     ap.add_argument("--max-rounds", type=int, default=0)
+    ap.add_argument("--merge-threads", type=_threads_arg, default=0, metavar="N",
+                    help="threads that merge a fragment's tensors (default 0: the CPUs this "
+                         "process may run on, at most 8)")
     add_role_args(ap)
     ap.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                     help="the run's user task, imported to initialise fragments (only when the "
@@ -734,7 +749,7 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                         faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
                         task=a.task, curve=curve_server(a.curve_secret, a.curve_allow),
-                        sign_keys=a.sign_keys)
+                        sign_keys=a.sign_keys, merge_threads=a.merge_threads)
 
 
 if __name__ == "__main__":

@@ -73,14 +73,26 @@ def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
 def bench_pipeline(quick: bool = False) -> dict:
     """Pipeline efficiency, side by side in one run: 64 learners pushing once each into one
     round (decode + merge dominate; one commit per 64 entries) for each up-link codec (int4 is
-    the shipped default), and 4 learners with a round (merge, outer step, atomic commit,
-    publish) every 4 entries, int4."""
+    the shipped default), 4 learners with a round (merge, outer step, atomic commit, publish)
+    every 4 entries, int4, and the first again with the merge kernels on 1 and 2 threads."""
 
     out: dict = {"bench": "pipeline", "merge_kernels": kernels.backend()}
     reps = 2 if quick else 3
     for codec_up in ("int4", "int8", "bf16", "fp32"):
         out[f"decode_merge_{codec_up}"] = _pipeline_pass(64, 1, reps, codec_up)
     out["with_commits"] = _pipeline_pass(4, 4 if quick else 16, reps, "int4")
+    # the syncer's capacity against the threads its merge kernels may use (int4, 64 entries
+    # into one round): contributions/s, and MB/s per thread
+    out["merge_threads"] = {}
+    for t in (1, 2):
+        kernels.set_threads(t)
+        try:
+            r = _pipeline_pass(64, 1, reps, "int4")
+        finally:
+            kernels.set_threads(1)
+        out["merge_threads"][str(t)] = {
+            **r, "contributions_per_s": r["syncer_mb_s"] / r["entry_wire_mb"],
+            "mb_s_per_thread": r["syncer_mb_s"] / t}
     out["ratio"] = out["decode_merge_int4"]["ratio"]
     out["ratio_with_commits"] = out["with_commits"]["ratio"]
     return out

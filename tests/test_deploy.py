@@ -194,6 +194,7 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
+@pytest.mark.slow
 def test_the_kubernetes_manifest_runs_as_written(tmp_path):
     docs = _docs()
     cm = _find(docs, "ConfigMap", "diloco-run")
@@ -267,6 +268,7 @@ def test_the_kubernetes_manifest_runs_as_written(tmp_path):
         _stop(procs)
 
 
+@pytest.mark.slow
 def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
     """The batch script's learners, with a stand-in `srun` that starts its tasks on this machine
     (SLURM_PROCID per task); learner L1 is killed once mid-run and the script brings it back."""

@@ -2,7 +2,8 @@
 
     pipeline  ←  broker  ←  workers  ←  ops
                                           cli → (every room)
-                                          bench → chaos, cluster
+                                          bench → lab, chaos, cluster
+                                          lab → chaos, cluster
                                           chaos → cluster
                                           tools → cluster
                                           cluster, sim (nothing in ops)
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "broker", "workers", "ops")
-ROOMS = ("cli", "cluster", "chaos", "tools", "bench", "sim")
+ROOMS = ("cli", "cluster", "chaos", "tools", "bench", "sim", "lab")
 
 # Who may import whom (beyond itself and third-party code).
 ALLOWED = {
@@ -35,7 +36,8 @@ ALLOWED = {
     "ops.cluster": {"workers", "broker", "pipeline"},
     "ops.chaos": {"ops.cluster", "workers", "broker", "pipeline"},
     "ops.tools": {"ops.cluster", "workers", "broker", "pipeline"},
-    "ops.bench": {"ops.chaos", "ops.cluster", "workers", "broker", "pipeline"},
+    "ops.lab": {"ops.chaos", "ops.cluster", "workers", "broker", "pipeline"},
+    "ops.bench": {"ops.lab", "ops.chaos", "ops.cluster", "workers", "broker", "pipeline"},
     "ops.cli": {f"ops.{r}" for r in ROOMS if r != "cli"} | {"workers", "broker", "pipeline"},
 }
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from ops.cli import bench, chaos, goodput, roles, run, security, tools
+from ops.cli import bench, chaos, goodput, lab, roles, run, security, tools
 from workers import native
 from workers.common import apply_environment
 
 # In the order they appear in --help.
-_COMMANDS = (run, roles, tools, security, chaos, bench, goodput)
+_COMMANDS = (run, roles, tools, security, chaos, lab, bench, goodput)
 
 
 def build_parser() -> argparse.ArgumentParser:

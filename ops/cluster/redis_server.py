@@ -81,11 +81,19 @@ class RedisServer:
         tls: serve TLS only (no plaintext port), requiring client certificates: a `TlsFiles`
             of the server's certificate and key and the CA that signed the clients'; `url` is
             then ``rediss://…`` with the client certificate, key and CA as query parameters.
+        host: The address the server binds, and `url` names (default: loopback).
+        also_bind: More addresses it binds (`address_url` names them with ``host=``).
+        prefix: Start the server through this command prefix (``ip netns exec <ns>``: the
+            lab's hub namespace).
+        protected: Redis's protected mode (without a password: loopback clients only); the
+            lab turns it off for its hub, which only the lab's own namespaces can reach.
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
                  port: int | None = None, password: str | None = None,
-                 tls: TlsFiles | None = None):
+                 tls: TlsFiles | None = None, host: str = "127.0.0.1",
+                 also_bind: tuple[str, ...] = (), prefix: list[str] | None = None,
+                 protected: bool = True):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -97,6 +105,10 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
         self.password = password
         self.tls = tls
+        self.host = host
+        self.also_bind = tuple(also_bind)
+        self.prefix = list(prefix or [])
+        self.protected = protected
 
     @property
     def url(self) -> str:
@@ -104,12 +116,13 @@ class RedisServer:
         auth = f"default:{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
         return self.address_url(auth)
 
-    def address_url(self, auth: str = "") -> str:
+    def address_url(self, auth: str = "", host: str | None = None) -> str:
         """The server's URL (with TLS settings) for the user and password in `auth`
-        (``user:password@``; empty: none)."""
+        (``user:password@``; empty: none), at `host` (default: the one it was given)."""
+        host = host or self.host
         if self.tls is None:
-            return f"redis://{auth}127.0.0.1:{self.port}/0"
-        return f"rediss://{auth}127.0.0.1:{self.port}/0?" + urllib.parse.urlencode(
+            return f"redis://{auth}{host}:{self.port}/0"
+        return f"rediss://{auth}{host}:{self.port}/0?" + urllib.parse.urlencode(
             self.tls.client_params(), safe="/")
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
@@ -124,14 +137,15 @@ class RedisServer:
             ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
                      str(t.server_cert), "--tls-key-file", str(t.server_key),
                      "--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "yes"]
-        args = [self.binary, *conf, *ports, "--bind", "127.0.0.1",
+        args = [*self.prefix, self.binary, *conf, *ports, "--bind", self.host, *self.also_bind,
                 "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
-                "--protected-mode", "yes", "--logfile", str(self.workdir / "redis.log"),
+                "--protected-mode", "yes" if self.protected else "no",
+                "--logfile", str(self.workdir / "redis.log"),
                 "--maxmemory-policy", "noeviction"]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "everysec"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0,
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
                              password=self.password,
                              **({"ssl": True, **self.tls.client_params()} if self.tls else {}))
         deadline = time.monotonic() + timeout_s

@@ -19,8 +19,10 @@ lab's leftovers are recognisable)::
 * The controller reaches the hub over a management veth that is not a site link (evaluation
   and supervision never cross a shaped link or count as a site's bytes).
 
-Everything is removed by `Lab.down` (processes in the namespaces first), also after a crash of
-an earlier lab (`sweep`).
+Everything is removed by `Lab.down` (processes in the namespaces first). If the controller
+dies without running it (SIGKILL, a crash of the interpreter), a reaper process it started
+(``python -m ops.lab.netns reap <pid>``) notices and removes the lab; the next lab also sweeps
+whatever a dead controller left (`sweep`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -159,15 +162,24 @@ def _remove_cgroup(path: Path) -> None:
     log.warning("could not remove cgroup %s", path)
 
 
-def sweep(owner_alive=_alive) -> list[str]:
-    """Remove what labs of dead controllers left (namespaces, cgroups); return what went."""
+def _owner(name: str) -> int | None:
+    """The controller pid in a lab's name (``dlab<pid>…``)."""
+    m = re.match(rf"{PREFIX}(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def sweep(owner_alive=_alive, only: int | None = None) -> list[str]:
+    """Remove what labs of dead controllers left (namespaces, cgroups); return what went.
+    With `only`, just the labs of controller `only` (dead or not)."""
+    if only is not None:
+        owner_alive = lambda pid: pid != only  # noqa: E731 (a zombie still answers kill(0))
     gone = []
     names = [p.name for p in NETNS_DIR.iterdir()] if NETNS_DIR.exists() else []
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        pid = name[len(PREFIX):].split("-")[0]
-        if pid.isdigit() and not owner_alive(int(pid)):
+        pid = _owner(name)
+        if pid is not None and not owner_alive(pid):
             for p in _ns_pids(name):
                 try:
                     os.kill(p, signal.SIGKILL)
@@ -178,8 +190,8 @@ def sweep(owner_alive=_alive) -> list[str]:
     root = _cgroup_root()
     if root is not None:
         for d in root[0].glob(f"{PREFIX}*"):
-            pid = d.name[len(PREFIX):]
-            if pid.isdigit() and not owner_alive(int(pid)):
+            pid = _owner(d.name)
+            if pid is not None and not owner_alive(pid):
                 _remove_cgroup(d)
                 gone.append(str(d))
     return gone
@@ -207,7 +219,7 @@ class Lab:
     quotas: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self):
-        self.name = f"{PREFIX}{os.getpid()}{self.tag}"
+        self.name = f"{PREFIX}{os.getpid()}{'x' + self.tag if self.tag else ''}"
         k = (os.getpid() % 250) + 1
         self.mgmt_ip = f"10.202.{k}.2"
         self._mgmt_host = f"10.202.{k}.1"
@@ -240,6 +252,7 @@ class Lab:
         if reason:
             raise LabUnavailable(reason)
         sweep()
+        self._start_reaper()
         self.built = True
         try:
             self._build()
@@ -247,6 +260,12 @@ class Lab:
             self.down()
             raise
         return self
+
+    def _start_reaper(self) -> None:
+        self.reaper = subprocess.Popen(
+            [sys.executable, "-m", "ops.lab.netns", "reap", str(os.getpid())],
+            cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _veth(self, a_ns: str | None, a: str, b_ns: str, b: str) -> None:
         """A veth pair with offloads off: `a` in `a_ns` (None: this namespace), `b` in `b_ns`."""
@@ -394,6 +413,9 @@ class Lab:
             except subprocess.TimeoutExpired:
                 self.forwarder.kill()
                 self.forwarder.wait()
+        if self.forwarder is not None:
+            for pipe in (self.forwarder.stdout, self.forwarder.stderr):
+                pipe.close()
         for ns in self.namespaces:
             for pid in _ns_pids(ns):
                 try:
@@ -409,6 +431,10 @@ class Lab:
         if self.cgroup is not None:
             _remove_cgroup(self.cgroup)
         self.built = False
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None and reaper.poll() is None:
+            reaper.terminate()
+            reaper.wait()
 
     def __enter__(self) -> Lab:
         return self.up()
@@ -419,13 +445,16 @@ class Lab:
 
 def leftovers(pid: int | None = None) -> list[str]:
     """What labs of controller `pid` (default: any) left on this machine: namespaces, cgroups,
-    interfaces (for tests and `diloco lab --check-clean`)."""
-    tag = f"{PREFIX}{pid}" if pid is not None else PREFIX
-    out = [n.name for n in NETNS_DIR.iterdir() if n.name.startswith(tag)] \
-        if NETNS_DIR.exists() else []
+    interfaces in this namespace, processes in the namespaces."""
+    def ours(name: str) -> bool:
+        owner = _owner(name)
+        return owner is not None and (pid is None or owner == pid)
+
+    out = [n.name for n in NETNS_DIR.iterdir() if ours(n.name)] if NETNS_DIR.exists() else []
+    out += [f"pid {p} in {ns}" for ns in list(out) for p in _ns_pids(ns)]
     root = _cgroup_root()
     if root is not None:
-        out += [str(d) for d in root[0].glob(f"{tag}*")]
+        out += [str(d) for d in root[0].glob(f"{PREFIX}*") if ours(d.name)]
     links = _run("ip", "-j", "link", "show", check=False).stdout or "[]"
     out += [ln["ifname"] for ln in json.loads(links)
             if ln.get("ifname", "").startswith(("dla", "dlb", "dlm"))]
@@ -462,3 +491,28 @@ class CounterSampler:
         if self._thread.is_alive():
             self._thread.join(5)
         self.sample()
+
+
+def _reap(pid: int) -> int:
+    """Wait for controller `pid` to die, then remove its labs (the reaper's whole job)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the controller, not here
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # the lab came down cleanly
+    while not stop:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "X"
+        if state in ("Z", "X"):
+            sweep(only=pid)
+            return 0
+        time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "reap":
+        raise SystemExit(_reap(int(sys.argv[2])))
+    sys.stderr.write("usage: python -m ops.lab.netns reap PID\n")
+    raise SystemExit(2)

@@ -111,19 +111,6 @@ class LabRun(ChaosRun):
         self.steps.append((rel_s, {k: int(v.step) for k, v in recs.items()}))
 
 
-def _step_rates(samples: list[tuple[float, dict[str, int]]], skip_s: float = 5.0
-                ) -> dict[str, float]:
-    """Each learner's inner steps per second over the run (after its first `skip_s`)."""
-    if len(samples) < 2:
-        return {}
-    first = next((s for s in samples if s[0] >= skip_s), samples[0])
-    last = samples[-1]
-    dt = last[0] - first[0]
-    if dt <= 0:
-        return {}
-    return {k: (last[1][k] - first[1].get(k, 0)) / dt for k in last[1]}
-
-
 def traffic(samples: list[tuple[float, dict[str, dict[str, int]]]],
             tokens: dict[str, int], t0: float = 0.0) -> dict:
     """Per port (``s<i>`` sites, ``hub``): bytes and packets up (from it) and down (to it),
@@ -181,7 +168,10 @@ def _diloco(cfg: RunConfig, run_dir: Path, run: str, lab: Lab, plan: LabPlan,
         finals = registry.learner_final_reports(chaos.r, RunKeys(run))
         rep["tokens_by_site"] = {f"s{int(k[1:])}": int(v.tokens) for k, v in finals.items()}
         rep["steps_by_site"] = {f"s{int(k[1:])}": int(v.steps) for k, v in finals.items()}
-        rep["step_rates"] = _step_rates(chaos.steps)
+        # each learner's own steady rate (its steps after the first, compiled one, over the
+        # time between them): heartbeats cannot show a partitioned learner's steps
+        rep["step_rates"] = {k: float(v.steps_per_s) for k, v in finals.items()}
+        rep["steps_series"] = [{"t": round(t, 2), **st} for t, st in chaos.steps]
         rep["supervised_s"] = chaos.duration_s
         rep["t0_monotonic"] = rep_t0
         rep["wall_s"] = chaos.t_stop - chaos.t_start

@@ -17,7 +17,7 @@ import os
 import urllib.parse
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 try:  # redis-py internals (stable across 5.x–8.x); without them, its default packer
@@ -68,6 +68,18 @@ def has_secret(url: str) -> bool:
 def url_from_env() -> str | None:
     """The Redis URL from the environment (``DILOCO_REDIS_URL``), if set."""
     return os.environ.get(URL_ENV) or None
+
+
+def quick(r: redis.Redis, timeout_s: float = 1.0) -> redis.Redis:
+    """A client of the same server, user and TLS settings as `r` that gives up after
+    `timeout_s` without retrying: for reads a training loop makes, which must not stall it
+    while the network is down."""
+    pool = r.connection_pool
+    kw = {**pool.connection_kwargs, "socket_timeout": timeout_s,
+          "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
+    kw.pop("retry_on_error", None)
+    return redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=pool.connection_class, **kw))
 
 
 def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,

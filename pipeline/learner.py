@@ -10,7 +10,8 @@ A push is superseded when its merged value has not arrived H steps later: the ne
 the fragment goes out anyway. If the old push was merged meanwhile (`merged_lookup`, which the
 driver answers from the syncer's merge records), the learner first rebases onto the version
 that merge produced, so the new push carries only the progress not merged yet — in δ, in its
-steps and in its tokens — never the merged part twice.
+steps and in its tokens — never the merged part twice. A driver that cannot tell now (its
+broker is unreachable) answers `DEFER`: the push waits for the fragment's next turn.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pipeline.config import SyncConfig
 from pipeline.contribution import Push
 from pipeline.fragments import due_fragment
 from pipeline.model import Params
+
+DEFER = "defer"  # merged_lookup's answer when it cannot tell now: push at the next turn
 
 
 @dataclass
@@ -70,10 +73,11 @@ class LearnerCore:
         self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
         self.applied = 0
         # (fragment, the push in flight) → (version, value) if a round merged that push (the
-        # value of that version or a later one), else None; None: superseding pushes are sent
-        # without asking (they then repeat the merged progress)
+        # value of that version or a later one), None if none did, DEFER if it cannot tell
+        # now; no lookup: superseding pushes are sent without asking (they then repeat the
+        # merged progress)
         self.merged_lookup: Callable[[int, _InFlight], tuple[int, Mapping[str, np.ndarray]]
-                                     | None] | None = None
+                                     | str | None] | None = None
         self.rebased_merged = 0  # superseding pushes that found their predecessor merged
 
     def after_step(self, step: int, tokens: int, params: Params) -> tuple[Params, list[Push]]:
@@ -89,6 +93,8 @@ class LearnerCore:
             if (f is not None and self._superseding(p, step) and f.pushed is not None
                     and self.merged_lookup is not None and self.pending[p] is None):
                 found = self.merged_lookup(p, f)
+                if found == DEFER:
+                    return params, pushes
                 if found is not None and found[0] > self.base_version[p]:
                     params = self.rebase_merged(p, found[0], found[1], params)
             push = self._maybe_push(p, step, params)

@@ -13,7 +13,7 @@ import pytest
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.fragments import partition
-from pipeline.learner import LearnerCore
+from pipeline.learner import DEFER, LearnerCore
 from pipeline.model import is_embedding
 from pipeline.syncer import Contribution, FragmentSyncer
 
@@ -481,3 +481,18 @@ def test_the_pushed_delta_survives_a_checkpoint():
     del arrays[f"pushed1/{FC}"]  # an older checkpoint: no rebase, the push goes out whole
     back.load_state(meta, arrays)
     assert back.inflight[1].pushed is None
+
+
+def test_a_lookup_that_cannot_tell_defers_the_superseding_push():
+    """Redis unreachable (a partition): the learner neither waits nor pushes the merged
+    progress again; the fragment's push waits for its next turn, when the lookup answers."""
+    core, params = make()
+    answers = iter([DEFER, (3, V)])
+    core.merged_lookup = lambda p, f: next(answers) if p == 1 else None
+    params, pushes = run(core, params, range(1, 11))  # step 10: fragment 1 due, lookup defers
+    assert 10 not in pushes and core.inflight[1].step == 2 and core.rebased_merged == 0
+    params, pushes = run(core, params, range(11, 15))  # step 14: its next turn
+    [push] = pushes[14]
+    assert core.rebased_merged == 1 and push.base_version == 3
+    assert (push.step, push.steps) == (14, 12)  # the 12 steps since the merged step-2 push
+    np.testing.assert_array_equal(decoded(push)[FC], 12 * G[FC])

@@ -47,12 +47,13 @@ import redis
 import zmq
 
 from broker import codec, registry, signing
+from broker.connection import quick
 from broker.errors import BrokerError, DecodeError
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
 from pipeline.contribution import poisoned
-from pipeline.learner import LearnerCore, Push
+from pipeline.learner import DEFER, LearnerCore, Push
 from workers.common import (
     RunContext,
     decode_values,
@@ -170,6 +171,7 @@ class Island:
         self.steady_steps_per_s = 0.0
         self.report: LearnerFinal | None = None
         self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
+        self._quick: redis.Redis | None = None  # fail-fast reads of the training loop
         self._params: dict[str, Any] | None = None  # flat, as of the last after_step
         self._treedef: Any = None
         self._names: list[str] = []
@@ -314,6 +316,8 @@ class Island:
             try:
                 registry.leave(self.ctx.r, self.ctx.keys, self.id)
             finally:
+                if self._quick is not None:
+                    self._quick.close()
                 if self._own_zctx:
                     self.zctx.term()
 
@@ -383,21 +387,32 @@ class Island:
         core.merged_lookup = self._merged_lookup
         return core
 
-    def _merged_lookup(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | None:
+    def _merged_lookup(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | str | None:
         """Was fragment p's push in flight merged, though its value never came? Then that
         version's value (or the latest, if Redis no longer keeps it) from its snapshot, for
-        `LearnerCore.rebase_merged`; None when it was not, or Redis cannot say now."""
+        `LearnerCore.rebase_merged`; None when it was not; `DEFER` when Redis cannot say now
+        (unreachable: the training loop must not wait on it, and pushing everything again
+        could repeat merged progress)."""
+        if self.net.redis_down:
+            return DEFER
         fk = self.ctx.keys.fragment(p)
+        if self._quick is None:
+            self._quick = quick(self.ctx.r)
+        r = self._quick
         try:
-            rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
+            rec = registry.merged(r, self.ctx.keys, self.id, p)
             if rec is None or (rec.base_version, rec.step) != (f.base_version, f.step):
                 return None
-            blob = self.ctx.r.get(fk.sent(rec.version)) or self.ctx.r.get(fk.global_)
+            blob = r.get(fk.sent(rec.version)) or r.get(fk.global_)
             if blob is None:
                 return None
             header, tensors = codec.unpack_snapshot(
                 blob, max_bytes=self.run_cfg.broker.max_payload_bytes)
-        except (redis.RedisError, DecodeError) as e:
+        except redis.RedisError as e:
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
+                        "pushing at the fragment's next turn", self.id, f.step, p, e)
+            return DEFER
+        except DecodeError as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing all its progress again", self.id, f.step, p, e)
             return None

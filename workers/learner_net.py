@@ -81,6 +81,7 @@ class LearnerNet(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.snapshot_requests: queue.Queue = queue.Queue()
         self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
+        self.redis_down = False  # Redis failed this thread's last call (and no call since)
         self.stats = NetStats()
         self.stop_event = threading.Event()
         self.stop_seen = False
@@ -168,10 +169,12 @@ class LearnerNet(threading.Thread):
                     registry.event(self.ctx.r, self.ctx.keys, "reconnect", learner=self.id,
                                    down_s=round(now - down_since, 3))
                     down_since = None
+                    self.redis_down = False
             except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
                 # unreachable, or full (maxmemory + noeviction): pushes stay queued
                 if down_since is None:
                     down_since = now
+                    self.redis_down = True
                     log.warning("%s: Redis unreachable (%s); training on, retrying", self.id, e)
                 next_ep = now + 0.5
             self._receive(timeout_ms=20)

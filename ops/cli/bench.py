@@ -1,5 +1,5 @@
 """`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|security|step|
-s1|s2|poison`:
+s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import islands, pipeline, quality, resilience, step
+from ops.bench import islands, lab, pipeline, quality, resilience, step
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 from pipeline.config import ConfigError
@@ -82,6 +82,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default="runs/bench-poison")
     b.add_argument("--quiet", action="store_true", help="no live progress")
     b.set_defaults(func=_poison)
+    b = bsub.add_parser("lab", help="4 sites behind shaped links (needs root): data parallel "
+                        "vs decoupled, bytes on the wire, CPU-share stragglers, a partition")
+    b.add_argument("--link-mbps", type=float, default=1.6, help="each site's link, each way")
+    b.add_argument("--rtt-ms", type=float, default=50.0)
+    b.add_argument("--ddp-steps", type=int, default=200, help="the token budget, in ddp steps")
+    b.add_argument("--ddp-shaped-steps", type=int, default=8,
+                   help="data parallel steps on the shaped links (its step time there)")
+    b.add_argument("--decoupled-steps", type=int, default=600, help="per learner")
+    b.add_argument("--hetero-steps", type=int, default=300, help="per learner")
+    b.add_argument("--only", default="", help="comma-separated subset of the runs")
+    b.add_argument("--out", default="runs/bench-lab")
+    b.set_defaults(func=_lab)
 
 
 def _progress(line: str) -> None:
@@ -121,6 +133,24 @@ def _poison(args: argparse.Namespace) -> int:
             doc = resilience.poison(Path(args.out), names, steps=args.steps, pace_s=args.pace_s,
                                     progress=_progress, live=chaos_view(view))
     except (ValueError, OSError) as e:
+        return fail(str(e))
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+def _lab(args: argparse.Namespace) -> int:
+    from ops.lab import check_capability
+
+    reason = check_capability()
+    if reason:
+        return fail(reason)
+    only = tuple(s.strip() for s in args.only.split(",") if s.strip())
+    try:
+        doc = lab.bench_lab(Path(args.out), link_mbps=args.link_mbps, rtt_ms=args.rtt_ms,
+                            ddp_steps=args.ddp_steps, ddp_shaped_steps=args.ddp_shaped_steps,
+                            decoupled_steps=args.decoupled_steps,
+                            hetero_steps=args.hetero_steps, only=only, progress=_progress)
+    except (ValueError, OSError, RuntimeError) as e:
         return fail(str(e))
     print(json.dumps(doc["summary"], indent=1))
     return 0

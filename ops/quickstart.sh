@@ -13,6 +13,8 @@ command -v python3 >/dev/null || need_apt+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # the syncer's merge kernels are C, built on first use (without a compiler: numpy, slower)
 command -v cc >/dev/null || command -v gcc >/dev/null || need_apt+=(gcc libc6-dev)
+# diloco lab (and its tests, as root): network namespaces, veth links and tc shaping
+{ command -v ip >/dev/null && command -v tc >/dev/null; } || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing ${need_apt[*]} with apt-get" >&2
   $SUDO apt-get update -qq

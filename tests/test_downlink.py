@@ -4,6 +4,7 @@ exact reference every learner holds, with the error of one publish fed into the 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -169,6 +170,34 @@ def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(re
     finally:
         net.sub.close()
         zctx.term()
+
+
+def test_ending_the_zeromq_context_under_a_running_network_thread_does_not_hang(redis_url):
+    """A learner's close() stops waiting for its network thread after a few seconds (a Redis
+    call over a slow link can take longer) and ends the ZeroMQ context: the thread must
+    close its socket when its next poll says so, or the context's termination never
+    returns (seen in the lab: learners hung at exit behind a 1.6 Mbit/s link)."""
+    import threading
+
+    import zmq
+
+    from workers.learner_net import LearnerNet
+
+    r = connect(redis_url)
+    store_run(r, "zt", tiny_config())
+    ctx = open_run(redis_url, "zt", wait_s=0)
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx)
+    net.start()
+    time.sleep(0.3)  # the thread is in its loop, polling its SUB socket
+    ended = threading.Event()
+    t = threading.Thread(target=lambda: (zctx.term(), ended.set()), daemon=True)
+    t.start()
+    assert ended.wait(10), "zmq.Context.term() hung on the network thread's socket"
+    net.join(5)
+    assert not net.is_alive()
+    net.stop_event.set()
+    r.close()
 
 
 def test_the_quality_bench_compares_down_links_and_skips_finished_runs(tmp_path):

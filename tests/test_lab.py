@@ -154,6 +154,7 @@ def test_decoupled_in_the_lab_survives_a_partition(tmp_path):
 
 
 @needs_lab
+@pytest.mark.slow
 def test_data_parallel_over_gloo_in_the_lab_equals_the_in_process_ddp(tmp_path):
     """One JAX process per site, gradients all-reduced over gloo across shaped links: the
     same training as the in-process ddp engine (one step on both batches together)."""

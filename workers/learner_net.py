@@ -146,6 +146,17 @@ class LearnerNet(threading.Thread):
     # -- the thread --------------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._loop()
+        except zmq.ContextTerminated:
+            # the island ended the ZeroMQ context while this thread was still in a Redis call
+            # (close() stops waiting for it): the socket must still be closed, or the
+            # context's termination waits for it forever
+            log.info("%s: ZeroMQ context ended; network thread stopping", self.id)
+        finally:
+            self.sub.close()
+
+    def _loop(self) -> None:
         next_hb = next_ep = 0.0
         down_since: float | None = None
         while not self.stop_event.is_set():
@@ -178,7 +189,6 @@ class LearnerNet(threading.Thread):
                     log.warning("%s: Redis unreachable (%s); training on, retrying", self.id, e)
                 next_ep = now + 0.5
             self._receive(timeout_ms=20)
-        self.sub.close()
 
     def _stats_info(self) -> dict:
         s = self.stats

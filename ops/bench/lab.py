@@ -15,6 +15,8 @@ runs already in ``results.json`` with the same configuration, so it can span sit
   this step time × the budget's steps — stated as such in the result;
 * ``decoupled-shaped``: decoupled on the shaped links, `decoupled_steps` per learner; the
   global model evaluated every 20 s; when it reaches data parallel's final loss;
+* ``decoupled-shaped-int4delta``: the same with the int4 delta down link
+  (``sync.down_delta``) — the down-link frontier;
 * ``decoupled-unshaped``: decoupled on unshaped links — its learners' step rate, the
   baseline of "keeps ≥ 0.95 of its step rate";
 * ``hetero-<mode>``: one site with a third of the others' CPU, each mode on the shaped links
@@ -40,6 +42,8 @@ from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 
 Progress = Callable[[str], None]
+# the down-link frontier: decoupled on the same shaped links with other down links
+DOWN_LINKS = {"decoupled-shaped-int4delta": {"sync.codec_down": "int4", "sync.down_delta": True}}
 KEEP = ("mode", "sites", "cpu_quotas_cores", "steps", "step_s", "compute_s_mean",
         "allreduce_s_mean", "allreduce_bytes", "params", "tokens", "wall_s", "final_eval_loss",
         "step_rates", "history", "lost", "merged", "rejoins", "rejoins_never", "rejoin_s_p50",
@@ -127,6 +131,10 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
                 LabPlan("ddp", shaped, eval_every_steps=10 ** 6))
     dec_s = run("decoupled-shaped", base_config(decoupled_steps),
                 LabPlan("decoupled", shaped, eval_every_s=20.0))
+    variants = {"decoupled-shaped": dec_s}
+    for name, over in DOWN_LINKS.items():
+        variants[name] = run(name, cfgmod.override(base_config(decoupled_steps), **over),
+                             LabPlan("decoupled", shaped, eval_every_s=20.0))
     dec_u = run("decoupled-unshaped", base_config(max(100, decoupled_steps // 3)),
                 LabPlan("decoupled", unshaped, eval_every_s=60.0))
     part = run("partition", base_config(decoupled_steps // 2),
@@ -144,11 +152,13 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
                        "python": platform.python_version()},
            "link_mbps": link_mbps, "rtt_ms": rtt_ms, "summary": summary}
     (out / "summary.json").write_text(json.dumps(doc, indent=1))
-    shown = {k: v for k, v in (("ddp (shaped)", ddp_s), ("decoupled (shaped)", dec_s),
-                               ("partition", part)) if v}
+    shown = {k: v for k, v in (("ddp (shaped)", ddp_s),
+                               *((f"{n} (bf16 down)" if n == "decoupled-shaped" else n, v)
+                                 for n, v in variants.items()),
+                               ("partition: site 3 cut off at 60 s for 30 s", part)) if v}
     if shown:
         plot_traffic(out / "bytes.png", shown)
-    _plot_loss(out / "loss.png", summary, ddp_u, dec_s, het)
+    _plot_loss(out / "loss.png", summary, ddp_u, variants, het)
     del dec_u
     return doc
 
@@ -157,7 +167,7 @@ def summarize(results: dict, *, link_mbps: float, rtt_ms: float, ddp_steps: int)
     """The targets, from the finished runs (missing runs leave their figures out)."""
     s: dict = {}
     ddp_u, ddp_s = results.get("ddp-unshaped"), results.get("ddp-shaped")
-    dec_s, dec_u = results.get("decoupled-shaped"), results.get("decoupled-unshaped")
+    dec_u = results.get("decoupled-unshaped")
     if ddp_u:
         per = _per_step(ddp_u, ddp_u["steps"])
         s["ddp_bytes_per_step_site"] = per
@@ -181,39 +191,12 @@ def summarize(results: dict, *, link_mbps: float, rtt_ms: float, ddp_steps: int)
         if ddp_u:
             s["measured_allreduce_over_compute"] = ddp_s["step_s"] / ddp_u["compute_s_mean"]
             s["ddp_shaped_time_to_budget_s"] = ddp_s["step_s"] * (ddp_steps - 1)
-    if dec_s:
-        rates = list(dec_s["step_rates"].values())
-        s["decoupled_shaped_steps_per_s"] = float(np.mean(rates))
-        steps = float(np.mean(list(dec_s["steps_by_site"].values())))
-        tokens = sum(dec_s["tokens_by_site"].values())
-        sites = [t for p, t in dec_s["traffic"].items() if p != "hub"]
-        s["decoupled_bytes_per_token_site"] = float(np.mean([t["bytes_per_token"]
-                                                             for t in sites]))
-        s["decoupled_tokens"] = tokens
-        s["decoupled_final_eval_loss"] = dec_s.get("final_eval_loss")
-        s["decoupled_shaped_peak_mbps"] = max(max(t["peak_up_bytes_per_s"],
-                                                  t["peak_down_bytes_per_s"])
-                                              for t in sites) * 8 / 1e6
-        per = _per_step(dec_s, steps)
-        s["decoupled_bytes_per_step_site"] = per
-        if ddp_u:
-            s["bytes_per_token_ratio"] = s["ddp_bytes_per_token_site"] / \
-                s["decoupled_bytes_per_token_site"]
-            target = ddp_u["final_eval_loss"]
-            t_dec = time_to_loss(dec_s.get("history", []), target)
-            s["decoupled_time_to_ddp_loss_s"] = t_dec
-            if t_dec and "ddp_shaped_time_to_budget_s" in s:
-                s["time_to_loss_speedup"] = s["ddp_shaped_time_to_budget_s"] / t_dec
+    s["decoupled"] = {}
+    for name in ("decoupled-shaped", *DOWN_LINKS):
+        if results.get(name):
+            s["decoupled"][name] = _decoupled(results[name], s, dec_u)
     if dec_u:
         s["decoupled_unshaped_steps_per_s"] = float(np.mean(list(dec_u["step_rates"].values())))
-        if dec_s:
-            s["shaped_over_unshaped_step_rate"] = s["decoupled_shaped_steps_per_s"] / \
-                s["decoupled_unshaped_steps_per_s"]
-            per = s["decoupled_bytes_per_step_site"]
-            s["decoupled_needed_mbps"] = max(per.values()) * \
-                s["decoupled_unshaped_steps_per_s"] * 8 / 1e6
-            if "ddp_needed_mbps" in s:
-                s["needed_link_ratio"] = s["ddp_needed_mbps"] / s["decoupled_needed_mbps"]
     part = results.get("partition")
     if part:
         s["partition"] = {k: part.get(k) for k in ("lost", "rejoins", "rejoins_never",
@@ -234,7 +217,36 @@ def summarize(results: dict, *, link_mbps: float, rtt_ms: float, ddp_steps: int)
     return s
 
 
-def _plot_loss(path: Path, summary: dict, ddp_u, dec_s, het) -> None:
+def _decoupled(dec: dict, s: dict, dec_u: dict | None) -> dict:
+    """The targets' figures of one decoupled run on the shaped links, against data parallel's
+    (already in `s`) and decoupled's unshaped step rate (`dec_u`, the bf16 down-link run: the
+    down link's codec does not change the inner step)."""
+    d: dict = {}
+    d["steps_per_s"] = float(np.mean(list(dec["step_rates"].values())))
+    steps = float(np.mean(list(dec["steps_by_site"].values())))
+    sites = [t for p, t in dec["traffic"].items() if p != "hub"]
+    d["bytes_per_token_site"] = float(np.mean([t["bytes_per_token"] for t in sites]))
+    d["tokens"] = sum(dec["tokens_by_site"].values())
+    d["final_eval_loss"] = dec.get("final_eval_loss")
+    d["peak_mbps"] = max(max(t["peak_up_bytes_per_s"], t["peak_down_bytes_per_s"])
+                         for t in sites) * 8 / 1e6
+    per = d["bytes_per_step_site"] = _per_step(dec, steps)
+    if "ddp_bytes_per_token_site" in s:
+        d["bytes_per_token_ratio"] = s["ddp_bytes_per_token_site"] / d["bytes_per_token_site"]
+        t_dec = time_to_loss(dec.get("history", []), s["ddp_final_eval_loss"])
+        d["time_to_ddp_loss_s"] = t_dec
+        if t_dec and "ddp_shaped_time_to_budget_s" in s:
+            d["time_to_loss_speedup"] = s["ddp_shaped_time_to_budget_s"] / t_dec
+    if dec_u:
+        rate_u = float(np.mean(list(dec_u["step_rates"].values())))
+        d["shaped_over_unshaped_step_rate"] = d["steps_per_s"] / rate_u
+        d["needed_mbps"] = max(per.values()) * rate_u * 8 / 1e6
+        if "ddp_needed_mbps" in s:
+            d["needed_link_ratio"] = s["ddp_needed_mbps"] / d["needed_mbps"]
+    return d
+
+
+def _plot_loss(path: Path, summary: dict, ddp_u, variants: dict, het) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,10 +259,11 @@ def _plot_loss(path: Path, summary: dict, ddp_u, dec_s, het) -> None:
         ax.plot([h["step"] * st for h in ddp_u["history"]],
                 [h["eval_loss"] for h in ddp_u["history"]], marker="o", markersize=2.5,
                 label=f"data parallel (step {st:.1f} s on the shaped link)")
-    if dec_s:
-        ax.plot([h["wall_s"] for h in dec_s["history"]],
-                [h["eval_loss"] for h in dec_s["history"]], marker="o", markersize=2.5,
-                label="decoupled")
+    for name, rep in variants.items():
+        if rep:
+            ax.plot([h["wall_s"] for h in rep["history"]],
+                    [h["eval_loss"] for h in rep["history"]], marker="o", markersize=2.5,
+                    label=name.replace("-shaped", "").replace("-int4delta", ", int4Δ down"))
     ax.set_xscale("log")
     ax.set_xlabel("wall time (s, log)")
     ax.set_ylabel("evaluation loss")

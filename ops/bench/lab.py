@@ -237,13 +237,36 @@ def _decoupled(dec: dict, s: dict, dec_u: dict | None) -> dict:
         d["time_to_ddp_loss_s"] = t_dec
         if t_dec and "ddp_shaped_time_to_budget_s" in s:
             d["time_to_loss_speedup"] = s["ddp_shaped_time_to_budget_s"] / t_dec
+    # steady state: the bytes after every learner has started stepping (a joining learner
+    # first reads each fragment's fp32 snapshot once: 4 bytes a parameter, not repeated)
+    first = dec.get("steps_series") or [{}]
+    steps0 = float(np.mean([v for k, v in first[0].items() if k != "t"] or [0.0]))
+    steady = {"up": float(np.mean([_after(t, "series_up") for t in sites])) / (steps - steps0),
+              "down": float(np.mean([_after(t, "series_down") for t in sites])) /
+              (steps - steps0)}
+    d["steady_bytes_per_step_site"] = steady
+    d["steady_bytes_per_token_site"] = (steady["up"] + steady["down"]) * steps / \
+        (d["tokens"] / len(sites))
+    if "ddp_bytes_per_token_site" in s:
+        d["steady_bytes_per_token_ratio"] = s["ddp_bytes_per_token_site"] / \
+            d["steady_bytes_per_token_site"]
     if dec_u:
         rate_u = float(np.mean(list(dec_u["step_rates"].values())))
         d["shaped_over_unshaped_step_rate"] = d["steps_per_s"] / rate_u
-        d["needed_mbps"] = max(per.values()) * rate_u * 8 / 1e6
+        d["needed_mbps"] = max(steady.values()) * rate_u * 8 / 1e6
+        d["needed_mbps_with_join"] = max(per.values()) * rate_u * 8 / 1e6
         if "ddp_needed_mbps" in s:
             d["needed_link_ratio"] = s["ddp_needed_mbps"] / d["needed_mbps"]
+            d["needed_link_ratio_with_join"] = s["ddp_needed_mbps"] / d["needed_mbps_with_join"]
     return d
+
+
+def _after(tr: dict, key: str, t0: float = 0.0) -> float:
+    """Bytes of a bytes/s series after time `t0` (the run's start)."""
+    t = np.array(tr["series_t"])
+    rate = np.array(tr[key])
+    dt = np.diff(np.concatenate([[t[0] - 1.0], t])) if t.size else t
+    return float((rate * dt)[t > t0].sum())
 
 
 def _plot_loss(path: Path, summary: dict, ddp_u, variants: dict, het) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_chaos import TINY as CHAOS_TINY
 
 from ops.chaos import Fault
 from ops.lab import Lab, LabPlan, SiteSpec, check_capability, leftovers, run_lab
@@ -27,15 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REASON = check_capability()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 
-TINY = {
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
-    "data": {"max_bytes": 600_000, "eval_batches": 2},
-    "inner": {"lr": 3e-3, "warmup_steps": 5, "batch_size": 8},
-    "sync": {"fragments": 2, "sync_every": 10},
-    "broker": {"heartbeat_s": 0.25, "heartbeat_ttl_s": 1.5, "lease_ms": 2000,
-               "claim_idle_ms": 2000, "snapshot_timeout_s": 2.0},
-    "learners": 2, "steps": 10 ** 6,
-}
+TINY = {**CHAOS_TINY, "learners": 2}
 
 # A TCP client and server: 5 one-byte round trips, then N bytes one way; prints JSON.
 PROBE = textwrap.dedent("""

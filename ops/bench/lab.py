@@ -15,8 +15,8 @@ runs already in ``results.json`` with the same configuration, so it can span sit
   this step time × the budget's steps — stated as such in the result;
 * ``decoupled-shaped``: decoupled on the shaped links, `decoupled_steps` per learner; the
   global model evaluated every 20 s; when it reaches data parallel's final loss;
-* ``decoupled-shaped-int4delta``: the same with the int4 delta down link
-  (``sync.down_delta``) — the down-link frontier;
+* ``decoupled-shaped-int4delta``, ``decoupled-shaped-h200``: the same with the int4 delta
+  down link (``sync.down_delta``), or with H = 200 — the frontier;
 * ``decoupled-unshaped``: decoupled on unshaped links — its learners' step rate, the
   baseline of "keeps ≥ 0.95 of its step rate";
 * ``hetero-<mode>``: one site with a third of the others' CPU, each mode on the shaped links
@@ -42,8 +42,9 @@ from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 
 Progress = Callable[[str], None]
-# the down-link frontier: decoupled on the same shaped links with other down links
-DOWN_LINKS = {"decoupled-shaped-int4delta": {"sync.codec_down": "int4", "sync.down_delta": True}}
+# the frontier: decoupled on the same shaped links with another down link, or another H
+VARIANTS = {"decoupled-shaped-int4delta": {"sync.codec_down": "int4", "sync.down_delta": True},
+            "decoupled-shaped-h200": {"sync.sync_every": 200}}
 KEEP = ("mode", "sites", "cpu_quotas_cores", "steps", "step_s", "compute_s_mean",
         "allreduce_s_mean", "allreduce_bytes", "params", "tokens", "wall_s", "final_eval_loss",
         "step_rates", "history", "lost", "merged", "rejoins", "rejoins_never", "rejoin_s_p50",
@@ -132,7 +133,7 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
     dec_s = run("decoupled-shaped", base_config(decoupled_steps),
                 LabPlan("decoupled", shaped, eval_every_s=20.0))
     variants = {"decoupled-shaped": dec_s}
-    for name, over in DOWN_LINKS.items():
+    for name, over in VARIANTS.items():
         variants[name] = run(name, cfgmod.override(base_config(decoupled_steps), **over),
                              LabPlan("decoupled", shaped, eval_every_s=20.0))
     dec_u = run("decoupled-unshaped", base_config(max(100, decoupled_steps // 3)),
@@ -192,7 +193,7 @@ def summarize(results: dict, *, link_mbps: float, rtt_ms: float, ddp_steps: int)
             s["measured_allreduce_over_compute"] = ddp_s["step_s"] / ddp_u["compute_s_mean"]
             s["ddp_shaped_time_to_budget_s"] = ddp_s["step_s"] * (ddp_steps - 1)
     s["decoupled"] = {}
-    for name in ("decoupled-shaped", *DOWN_LINKS):
+    for name in ("decoupled-shaped", *VARIANTS):
         if results.get(name):
             s["decoupled"][name] = _decoupled(results[name], s, dec_u)
     if dec_u:
@@ -286,7 +287,8 @@ def _plot_loss(path: Path, summary: dict, ddp_u, variants: dict, het) -> None:
         if rep:
             ax.plot([h["wall_s"] for h in rep["history"]],
                     [h["eval_loss"] for h in rep["history"]], marker="o", markersize=2.5,
-                    label=name.replace("-shaped", "").replace("-int4delta", ", int4Δ down"))
+                    label=name.replace("-shaped", "").replace("-int4delta", ", int4Δ down")
+                    .replace("-h200", ", H = 200"))
     ax.set_xscale("log")
     ax.set_xlabel("wall time (s, log)")
     ax.set_ylabel("evaluation loss")

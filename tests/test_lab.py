@@ -229,3 +229,31 @@ def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys):
     assert main(["lab", "--sites", "2"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "needs root" in lines[0], lines
+
+
+def test_faults_the_lab_cannot_apply_are_refused_before_training():
+    from ops.lab import check_schedule
+
+    check_schedule([Fault(5, "partition-learner", "L1", 3), Fault(9, "kill-syncer", "", 2)],
+                   2, "decoupled")
+    for faults, mode, match in (
+            ([Fault(5, "partition-learner", "L5", 3)], "decoupled", "not a learner"),
+            ([Fault(5, "cut-zmq-learner", "L0", 3)], "decoupled", "does not apply"),
+            ([Fault(5, "takeover", "", 3)], "sync-diloco", "does not apply"),
+            ([Fault(5, "partition-learner", "L0", 3)], "ddp", "not to ddp")):
+        with pytest.raises(ValueError, match=match):
+            check_schedule(faults, 2, mode)
+
+
+def test_traffic_peaks_are_over_whole_windows_only():
+    from ops.lab import traffic
+
+    def c(b):
+        return {"s0": {"rx_bytes": b, "rx_packets": 0, "tx_bytes": 0, "tx_packets": 0}}
+
+    # 1 s windows at 100 kB/s, then a 50 ms window (the stop's sample) with a 20 kB burst
+    samples = [(10.0, c(0)), (11.0, c(100_000)), (12.0, c(200_000)), (12.05, c(220_000))]
+    tr = traffic(samples, {"s0": 1000}, t0=10.0)["s0"]
+    assert tr["bytes_up"] == 220_000 and tr["bytes_per_token"] == 220.0
+    assert tr["peak_up_bytes_per_s"] == pytest.approx(100_000)
+    assert tr["series_t"] == [1.0, 2.0, 2.05]

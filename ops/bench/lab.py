@@ -103,6 +103,8 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
     unshaped = [SiteSpec(0.0, 0.0, 1.0)] * 4
     hetero = [SiteSpec(link_mbps, rtt_ms, c) for c in (1.0, 1.0, 1.0, 1 / 3)]
 
+    current: dict = {}  # the runs measured with this invocation's settings
+
     def run(name: str, cfg: RunConfig, plan: LabPlan) -> dict | None:
         key = json.dumps({"cfg": cfgmod.to_dict(cfg), "mode": plan.mode,
                           "sites": [vars(s) for s in plan.sites],
@@ -110,15 +112,16 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
                           "duration": plan.duration_s}, sort_keys=True, default=str)
         if name in results and results[name].get("config_key") == key:
             progress(f"{name:20s} already measured")
+            current[name] = results[name]
             return results[name]
         if only and name not in only:
-            return results.get(name)
+            return None  # not asked for, and not measured with these settings
         t0 = time.monotonic()
         progress(f"{name:20s} running …")
         rep = run_lab(cfg, plan, out=out / "runs", run=name)
         slim = {**_slim(rep), "config_key": key, "bench_wall_s": time.monotonic() - t0,
                 "run_dir": rep["run_dir"]}
-        results[name] = slim
+        results[name] = current[name] = slim
         res_path.write_text(json.dumps(results, indent=1))
         rates = ", ".join(f"{v:.3f}" for v in slim.get("step_rates", {}).values())
         progress(f"{name:20s} done in {slim['bench_wall_s']:.0f} s; loss "
@@ -148,7 +151,7 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
         het[mode] = run(f"hetero-{mode}", cfg,
                         LabPlan(mode, hetero, duration_s=hetero_s, eval_every_s=20.0,
                                 eval_every_steps=10 ** 6))
-    summary = summarize(results, link_mbps=link_mbps, rtt_ms=rtt_ms, ddp_steps=ddp_steps)
+    summary = summarize(current, link_mbps=link_mbps, rtt_ms=rtt_ms, ddp_steps=ddp_steps)
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "python": platform.python_version()},
            "link_mbps": link_mbps, "rtt_ms": rtt_ms, "summary": summary}
@@ -190,7 +193,9 @@ def summarize(results: dict, *, link_mbps: float, rtt_ms: float, ddp_steps: int)
             max(t["peak_up_bytes_per_s"], t["peak_down_bytes_per_s"])
             for p, t in ddp_s["traffic"].items() if p != "hub") * 8 / 1e6
         if ddp_u:
-            s["measured_allreduce_over_compute"] = ddp_s["step_s"] / ddp_u["compute_s_mean"]
+            # the shaped step less its compute, over the compute
+            s["measured_allreduce_over_compute"] = (ddp_s["step_s"] - ddp_u["compute_s_mean"]) \
+                / ddp_u["compute_s_mean"]
             s["ddp_shaped_time_to_budget_s"] = ddp_s["step_s"] * (ddp_steps - 1)
     s["decoupled"] = {}
     for name in ("decoupled-shaped", *VARIANTS):
@@ -226,6 +231,8 @@ def _decoupled(dec: dict, s: dict, dec_u: dict | None) -> dict:
     d["steps_per_s"] = float(np.mean(list(dec["step_rates"].values())))
     steps = float(np.mean(list(dec["steps_by_site"].values())))
     sites = [t for p, t in dec["traffic"].items() if p != "hub"]
+    if any(t["bytes_per_token"] is None for t in sites):
+        return {"error": "a site reported no tokens (a learner without a final report)"}
     d["bytes_per_token_site"] = float(np.mean([t["bytes_per_token"] for t in sites]))
     d["tokens"] = sum(dec["tokens_by_site"].values())
     d["final_eval_loss"] = dec.get("final_eval_loss")
@@ -242,9 +249,9 @@ def _decoupled(dec: dict, s: dict, dec_u: dict | None) -> dict:
     # first reads each fragment's fp32 snapshot once: 4 bytes a parameter, not repeated)
     first = dec.get("steps_series") or [{}]
     steps0 = float(np.mean([v for k, v in first[0].items() if k != "t"] or [0.0]))
-    steady = {"up": float(np.mean([_after(t, "series_up") for t in sites])) / (steps - steps0),
-              "down": float(np.mean([_after(t, "series_down") for t in sites])) /
-              (steps - steps0)}
+    n_steady = max(1.0, steps - steps0)
+    steady = {"up": float(np.mean([_after(t, "series_up") for t in sites])) / n_steady,
+              "down": float(np.mean([_after(t, "series_down") for t in sites])) / n_steady}
     d["steady_bytes_per_step_site"] = steady
     d["steady_bytes_per_token_site"] = (steady["up"] + steady["down"]) * steps / \
         (d["tokens"] / len(sites))

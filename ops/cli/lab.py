@@ -10,7 +10,15 @@ from dataclasses import replace
 from broker.keys import check_run_name
 from ops.chaos import Fault, load_schedule
 from ops.cli.common import add_config_args, config_from_args, fail, fail_on, print_json
-from ops.lab import MODES, LabPlan, LabUnavailable, SiteSpec, check_capability, run_lab
+from ops.lab import (
+    MODES,
+    LabPlan,
+    LabUnavailable,
+    SiteSpec,
+    check_capability,
+    check_schedule,
+    run_lab,
+)
 from pipeline import config as cfgmod
 
 
@@ -92,6 +100,7 @@ def _cli(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, base=replace(cfgmod.demo_config(), learners=n))
         schedule = (load_schedule(args.schedule) if args.schedule else []) + \
             _partitions(args.partition)
+        check_schedule(schedule, n, args.mode)
         run = check_run_name(args.run or time.strftime(f"lab-{args.mode}-%Y%m%d-%H%M%S"))
     except (cfgmod.ConfigError, OSError, ValueError) as e:
         return fail(str(e))

@@ -85,15 +85,12 @@ class RedisServer:
         also_bind: More addresses it binds (`address_url` names them with ``host=``).
         prefix: Start the server through this command prefix (``ip netns exec <ns>``: the
             lab's hub namespace).
-        protected: Redis's protected mode (without a password: loopback clients only); the
-            lab turns it off for its hub, which only the lab's own namespaces can reach.
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
                  port: int | None = None, password: str | None = None,
                  tls: TlsFiles | None = None, host: str = "127.0.0.1",
-                 also_bind: tuple[str, ...] = (), prefix: list[str] | None = None,
-                 protected: bool = True):
+                 also_bind: tuple[str, ...] = (), prefix: list[str] | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -108,7 +105,6 @@ class RedisServer:
         self.host = host
         self.also_bind = tuple(also_bind)
         self.prefix = list(prefix or [])
-        self.protected = protected
 
     @property
     def url(self) -> str:
@@ -139,8 +135,7 @@ class RedisServer:
                      "--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "yes"]
         args = [*self.prefix, self.binary, *conf, *ports, "--bind", self.host, *self.also_bind,
                 "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
-                "--protected-mode", "yes" if self.protected else "no",
-                "--logfile", str(self.workdir / "redis.log"),
+                "--protected-mode", "yes", "--logfile", str(self.workdir / "redis.log"),
                 "--maxmemory-policy", "noeviction"]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "everysec"]

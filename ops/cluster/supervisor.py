@@ -92,6 +92,7 @@ class Supervisor:
         self.logs = run_dir / "logs"
         self.procs: dict[str, subprocess.Popen] = {}
         self.cmds: dict[str, list[str]] = {}
+        self.urls: dict[str, str] = {}  # a process's own $DILOCO_REDIS_URL (default: url)
         self.task = task_of(cfg, local=cfg.task)  # this process's own configuration
         self.frags = partition(self.task.param_shapes(), cfg.effective_sync().fragments,
                                self.task.is_embedding)
@@ -100,15 +101,19 @@ class Supervisor:
 
     # -- processes ------------------------------------------------------------------------------
 
-    def spawn(self, name: str, cmd: list[str] | None = None) -> None:
-        """Start process `name` (with `cmd`, or the command it was last started with)."""
+    def spawn(self, name: str, cmd: list[str] | None = None, url: str | None = None) -> None:
+        """Start process `name` (with `cmd`, or the command it was last started with); `url`:
+        the Redis URL it gets in ``$DILOCO_REDIS_URL`` when the supervisor's own is not the
+        one it reaches (the lab's sites), kept for its restarts."""
         if cmd is not None:
             self.cmds[name] = cmd
+        if url is not None:
+            self.urls[name] = url
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as out:  # the child keeps its own copy
-            self.procs[name] = subprocess.Popen(self.cmds[name], stdout=out,
-                                                stderr=subprocess.STDOUT,
-                                                env={**os.environ, URL_ENV: self.url})
+            self.procs[name] = subprocess.Popen(
+                self.cmds[name], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, URL_ENV: self.urls.get(name, self.url)})
 
     def exit_codes(self) -> dict[str, int | None]:
         """Each process's exit code (None while it runs)."""

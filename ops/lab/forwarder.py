@@ -8,13 +8,15 @@ frame between them — a learning bridge — after a delay: a frame from port a 
 time to the hub (the hub's is 0). Every protocol is delayed alike: Redis, ZeroMQ, the data
 parallel peers' gloo connections, ARP.
 
-Frames are read and written with ``PACKET_VNET_HDR``: a TCP segment the sender's kernel left
-unsegmented (TSO, up to 64 KiB) crosses as one frame with its offload header, and the egress
-veth's kernel segments it, so the forwarder handles a few thousand frames per second even at
-hundreds of MB/s. Rate shaping stays in the kernel (``tbf`` on each veth's egress), after the
-delay on the way down and before it on the way up.
+Frames are read and written with ``PACKET_VNET_HDR``, so a segmentation-offloaded frame would
+cross whole with its offload header; the lab turns offloads off on its interfaces (so that
+counters and shaping see wire-size frames), and the forwarder then moves MTU-size frames —
+tens of thousands a second in Python, ample for shaped links of a few to a few hundred
+Mbit/s, but a CPU cost (and a cap) for a site with a round-trip time and no rate limit. Rate
+shaping stays in the kernel (``tbf`` on each veth's egress), after the delay on the way down
+and before it on the way up.
 
-Run as ``python -m ops.lab.forwarder PORT:DELAY_MS ...`` inside the router namespace; it prints
+Run as ``python ops/lab/forwarder.py PORT:DELAY_MS ...`` inside the router namespace; it prints
 ``ready`` once every port is bound and runs until SIGTERM.
 """
 

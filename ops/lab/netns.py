@@ -203,13 +203,12 @@ class Lab:
 
     Args:
         sites: One spec per site.
-        cpu_total: Cores the sites' quotas add up to (default: every core of the machine).
-        tag: Distinguishes two labs of one controller (the pid distinguishes controllers).
+        cpu_total: Cores the sites' quotas add up to (default: the cores this process may
+            run on).
     """
 
     sites: list[SiteSpec]
     cpu_total: float | None = None
-    tag: str = ""
     name: str = field(init=False)
     forwarder: subprocess.Popen | None = field(init=False, default=None)
     cgroup: Path | None = field(init=False, default=None)
@@ -219,10 +218,8 @@ class Lab:
     quotas: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self):
-        self.name = f"{PREFIX}{os.getpid()}{'x' + self.tag if self.tag else ''}"
-        k = (os.getpid() % 250) + 1
-        self.mgmt_ip = f"10.202.{k}.2"
-        self._mgmt_host = f"10.202.{k}.1"
+        self.name = f"{PREFIX}{os.getpid()}"  # one lab per controller at a time
+        self.mgmt_ip = self._mgmt_host = ""
         self._partitioned: set[int] = set()
 
     # -- names ---------------------------------------------------------------------------------
@@ -262,14 +259,16 @@ class Lab:
         return self
 
     def _start_reaper(self) -> None:
+        # run by its path: this file imports only the standard library, so the reaper starts
+        # in milliseconds and cannot fail on the package's imports
         self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "ops.lab.netns", "reap", str(os.getpid())],
-            cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL,
+            [sys.executable, str(Path(__file__).resolve()), "reap", str(os.getpid())],
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _veth(self, a_ns: str | None, a: str, b_ns: str, b: str) -> None:
         """A veth pair with offloads off: `a` in `a_ns` (None: this namespace), `b` in `b_ns`."""
-        tmp_a, tmp_b = f"dla{os.getpid() % 100000}", f"dlb{os.getpid() % 100000}"
+        tmp_a, tmp_b = f"dla{os.getpid():x}", f"dlb{os.getpid():x}"
         _run("ip", "link", "add", tmp_a, "type", "veth", "peer", "name", tmp_b)
         try:
             _ethtool_off(tmp_a)
@@ -300,8 +299,15 @@ class Lab:
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
         for p in ports:
             _run("ip", "-n", self.router, "link", "set", p, "up")
-        # the controller's management link to the hub (never shaped, never counted)
-        mg = f"dlm{os.getpid() % 100000}"
+        # the controller's management link to the hub (never shaped, never counted), on a
+        # /30 no other interface here uses
+        used = {a.get("local", "") for link in json.loads(
+            _run("ip", "-j", "addr", "show").stdout or "[]") for a in link.get("addr_info", [])}
+        k = next((k for k in range(1, 255) if f"10.202.{k}.1" not in used), None)
+        if k is None:
+            raise LabUnavailable("no free 10.202.k.0/30 for the lab's management link")
+        self.mgmt_ip, self._mgmt_host = f"10.202.{k}.2", f"10.202.{k}.1"
+        mg = f"dlm{os.getpid():x}"
         self._veth(None, mg, self.hub, "mgmt")
         _run("ip", "addr", "add", f"{self._mgmt_host}/30", "dev", mg)
         _run("ip", "link", "set", mg, "up")
@@ -331,10 +337,11 @@ class Lab:
              f"{int(rate_bps)}bit", "burst", str(burst), "latency", "1000ms")
 
     def _start_forwarder(self, ports: dict[str, float]) -> None:
-        cmd = self.wrap(self.router, [sys.executable, "-m", "ops.lab.forwarder",
+        cmd = self.wrap(self.router, [sys.executable,
+                                      str(Path(__file__).resolve().with_name("forwarder.py")),
                                       *(f"{p}:{ms}" for p, ms in ports.items())])
         self.forwarder = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, cwd=Path(__file__).resolve().parents[2])
+                                          text=True)
         line = self.forwarder.stdout.readline().strip()
         if line != "ready":
             err = self.forwarder.stderr.read()[-2000:] if self.forwarder.poll() is not None \
@@ -350,7 +357,7 @@ class Lab:
                                      "(cgroup v1 cpu or v2 cpu.max); none is mounted here")
             return
         root, self.cgroup_kind = found
-        total = self.cpu_total or float(os.cpu_count() or 1)
+        total = self.cpu_total or float(len(os.sched_getaffinity(0)))
         weights = sum(c for c in quota_sites if c > 0)
         self.cgroup = root / self.name
         self.cgroup.mkdir()
@@ -381,6 +388,12 @@ class Lab:
             return inner
         procs = self.cgroup / f"s{site}" / "cgroup.procs"
         return ["sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(procs), *inner]
+
+    def check(self) -> None:
+        """Raise if a process the lab's links depend on (the forwarder) died."""
+        if self.forwarder is not None and self.forwarder.poll() is not None:
+            raise RuntimeError(f"the lab's forwarder exited ({self.forwarder.returncode}): "
+                               f"every site is cut off")
 
     def set_link(self, i: int, up: bool) -> None:
         """Partition site `i` (its router port down) or heal it."""
@@ -456,8 +469,11 @@ def leftovers(pid: int | None = None) -> list[str]:
     if root is not None:
         out += [str(d) for d in root[0].glob(f"{PREFIX}*") if ours(d.name)]
     links = _run("ip", "-j", "link", "show", check=False).stdout or "[]"
+    tags = ("dla", "dlb", "dlm") if pid is None else tuple(f"{t}{pid:x}" for t in ("dla", "dlb",
+                                                                                   "dlm"))
     out += [ln["ifname"] for ln in json.loads(links)
-            if ln.get("ifname", "").startswith(("dla", "dlb", "dlm"))]
+            if ln.get("ifname", "").split("@")[0] in tags
+            or (pid is None and ln.get("ifname", "").startswith(tags))]
     return out
 
 
@@ -478,7 +494,8 @@ class CounterSampler:
 
     def sample(self) -> None:
         try:
-            self.samples.append((time.monotonic(), self.lab.counters()))
+            counters = self.lab.counters()
+            self.samples.append((time.monotonic(), counters))  # when the read came back
         except (RuntimeError, ValueError, KeyError) as e:  # the lab is going down
             log.debug("counter sample skipped: %s", e)
 

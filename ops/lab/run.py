@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import subprocess
 import sys
 import time
@@ -40,6 +41,10 @@ REDIS_PORT = 6379
 SYNCER_PORT = 5555
 COORDINATOR_PORT = 7777
 MODES = ("decoupled", "sync-diloco", "ddp")
+# fault kinds a lab run applies (a partition is the site's link; there is no standby syncer and
+# no separate ZeroMQ path to cut)
+LAB_FAULTS = ("kill-learner", "pause-learner", "partition-learner", "kill-syncer",
+              "kill-syncer-after-commit", "kill-redis")
 
 
 @dataclass
@@ -84,17 +89,21 @@ class LabRun(ChaosRun):
         lab = self.lab
         for d in (self.state_dir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
+        # a password, though only this machine reaches the lab: the controller's management
+        # link is in the root namespace, where every local user is; processes get the URL in
+        # their environment, never on their command line
+        password = secrets.token_urlsafe(24)
         self.redis = RedisServer(workdir=self.run_dir / "redis", port=REDIS_PORT,
-                                 host=lab.mgmt_ip, also_bind=(HUB_IP,),
-                                 prefix=lab.wrap(lab.hub, []), protected=False).start()
-        site_url = self.redis.address_url(host=HUB_IP)
+                                 host=lab.mgmt_ip, also_bind=(HUB_IP,), password=password,
+                                 prefix=lab.wrap(lab.hub, [])).start()
+        site_url = self.redis.address_url(auth=f"default:{password}@", host=HUB_IP)
         self.sup = Supervisor(self.cfg, self.run, self.redis.url, self.run_dir)
         registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg),
                               self.cfg.run_hash(), spec=stored_spec(self.cfg))
         self.sync_ports = {"syncer-0": SYNCER_PORT}
         self.sup.spawn("syncer-0", lab.wrap(lab.hub, role_cmd(
             "syncer", site_url, self.run, "--id", "syncer-0", "--insecure",
-            "--bind", f"tcp://{HUB_IP}:{SYNCER_PORT}", cfg=self.cfg)))
+            "--bind", f"tcp://{HUB_IP}:{SYNCER_PORT}", cfg=self.cfg)), url=site_url)
         for m in range(self.cfg.learners):
             name = f"L{m}"
             self.proxies[name] = [_SiteLink(lab, m)]
@@ -102,7 +111,8 @@ class LabRun(ChaosRun):
                            "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
                            "--sub-endpoint", f"tcp://{HUB_IP}:{SYNCER_PORT}", cfg=self.cfg)
             self.sup.spawn(name, lab.wrap(lab.site(m), cmd + list(self.learner_args.get(name,
-                                                                                         ()))))
+                                                                                         ()))),
+                           url=site_url)
         self.t_start = time.time()
         self.t0 = time.monotonic()
 
@@ -129,23 +139,48 @@ def traffic(samples: list[tuple[float, dict[str, dict[str, int]]]],
         up, down = series("rx_bytes") - series("rx_bytes")[0], \
             series("tx_bytes") - series("tx_bytes")[0]
         both = up + down
-        rate = np.diff(both) / np.maximum(np.diff(t), 1e-3)
-        rate_up = np.diff(up) / np.maximum(np.diff(t), 1e-3)
-        rate_down = np.diff(down) / np.maximum(np.diff(t), 1e-3)
+        dt = np.maximum(np.diff(t), 1e-3)
+        rate, rate_up, rate_down = np.diff(both) / dt, np.diff(up) / dt, np.diff(down) / dt
+        full = dt >= 0.9  # peaks over ~1 s windows only (the stop's last sample is not one)
+
+        def peak(x: np.ndarray, full: np.ndarray = full) -> float:
+            return float(x[full].max()) if full.any() else 0.0
         tok = all_tokens if port == "hub" else tokens.get(port, 0)
         out[port] = {
             "bytes_up": int(up[-1]), "bytes_down": int(down[-1]), "bytes": int(both[-1]),
             "packets": int(series("rx_packets")[-1] - series("rx_packets")[0]
                            + series("tx_packets")[-1] - series("tx_packets")[0]),
             "tokens": int(tok), "bytes_per_token": float(both[-1] / tok) if tok else None,
-            "peak_bytes_per_s": float(rate.max()) if rate.size else 0.0,
-            "peak_up_bytes_per_s": float(rate_up.max()) if rate_up.size else 0.0,
-            "peak_down_bytes_per_s": float(rate_down.max()) if rate_down.size else 0.0,
+            "peak_bytes_per_s": peak(rate),
+            "peak_up_bytes_per_s": peak(rate_up),
+            "peak_down_bytes_per_s": peak(rate_down),
             "series_t": [round(float(x), 2) for x in t[1:]],
             "series_up": [round(float(x), 1) for x in rate_up],
             "series_down": [round(float(x), 1) for x in rate_down],
         }
     return out
+
+
+def check_schedule(schedule: list[Fault], sites: int, mode: str) -> None:
+    """Refuse faults a lab run cannot apply (before any training time is spent).
+
+    Raises:
+        ValueError: A fault of a kind the lab does not apply, a target that is no site's
+            learner, or any fault in data parallel mode.
+    """
+    if schedule and mode == "ddp":
+        raise ValueError("faults apply to decoupled and sync-diloco runs, not to ddp")
+    for f in schedule:
+        if f.kind not in LAB_FAULTS:
+            raise ValueError(f"fault kind {f.kind!r} does not apply in the lab (one of "
+                             f"{', '.join(LAB_FAULTS)})")
+        learner = f.kind.endswith("learner")
+        if learner and f.target and f.target not in {f"L{i}" for i in range(sites)}:
+            raise ValueError(f"fault {f.kind} at {f.at_s} s: {f.target!r} is not a learner of "
+                             f"the {sites} sites (L0…L{sites - 1})")
+        if not learner and f.target not in ("", "syncer-0"):
+            raise ValueError(f"fault {f.kind} at {f.at_s} s: target {f.target!r} (the lab has "
+                             f"one syncer, syncer-0)")
 
 
 def _diloco(cfg: RunConfig, run_dir: Path, run: str, lab: Lab, plan: LabPlan,
@@ -155,9 +190,13 @@ def _diloco(cfg: RunConfig, run_dir: Path, run: str, lab: Lab, plan: LabPlan,
     try:
         chaos.start()
         chaos.wait_until_training(timeout_s=300.0)
-        rep_t0 = chaos.t0
+        recs = registry.learner_records(chaos.r, chaos.keys)
+        if len(recs) < cfg.learners or any(r.step < 1 for r in recs.values()):
+            raise RuntimeError(f"the learners did not start training in 300 s; see "
+                               f"{chaos.logs}")
 
         def tick(h: LabRun, rel: float) -> None:
+            lab.check()
             h.note_steps(rel)
             if progress is not None:
                 progress(h, rel)
@@ -165,6 +204,7 @@ def _diloco(cfg: RunConfig, run_dir: Path, run: str, lab: Lab, plan: LabPlan,
         duration = plan.duration_s or 10 ** 9
         chaos.supervise(plan.schedule, duration, corpus, tick)
         rep = chaos.finish(corpus=corpus)
+        rep_t0 = chaos.t0  # supervise's start (every learner stepping)
         finals = registry.learner_final_reports(chaos.r, RunKeys(run))
         rep["tokens_by_site"] = {f"s{int(k[1:])}": int(v.tokens) for k, v in finals.items()}
         rep["steps_by_site"] = {f"s{int(k[1:])}": int(v.steps) for k, v in finals.items()}
@@ -207,14 +247,19 @@ def _ddp(cfg: RunConfig, run_dir: Path, lab: Lab, plan: LabPlan, sampler: Counte
                                          "--gloo-interface", "eth0",
                                          "--eval-every", str(plan.eval_every_steps)])
         t0 = time.monotonic()
+        steps = cfg.steps
+        deadline = t0 + (plan.duration_s or 0) + 600 + 120 * steps  # a hung collective
         while True:
+            lab.check()
+            if procs["coordinator"].poll() is not None:
+                raise RuntimeError(f"the coordination service exited; see {logs}")
             codes = {k: p.poll() for k, p in procs.items() if k != "coordinator"}
             failed = {k: c for k, c in codes.items() if c not in (None, 0)}
             if failed:
                 raise RuntimeError(f"data parallel process(es) failed: {failed}; see {logs}")
             if all(c == 0 for c in codes.values()):
                 break
-            if plan.duration_s and time.monotonic() - t0 > plan.duration_s + 600:
+            if time.monotonic() > deadline:
                 raise RuntimeError(f"data parallel did not finish; see {logs}")
             if progress is not None:
                 progress(None, time.monotonic() - t0)
@@ -244,6 +289,7 @@ def run_lab(cfg: RunConfig, plan: LabPlan, *, out: str | Path, run: str,
     if plan.mode not in MODES:
         raise ValueError(f"mode {plan.mode!r} is not one of {', '.join(MODES)}")
     n = len(plan.sites)
+    check_schedule(plan.schedule, n, plan.mode)
     updates = {"learners": n, **({"mode": plan.mode} if plan.mode != "ddp" else {}),
                **({"sync.quorum": n} if cfg.sync.quorum > n else {})}
     cfg = cfgmod.override(cfg, **updates)

@@ -123,6 +123,7 @@ class FragmentKeys:
 
     def __init__(self, run: str, p: int):
         tag = f"{PREFIX}:{{{run}/f{p:04d}}}"
+        self.run = run
         self.fragment = p
         self.frags = f"{tag}:frags"
         self.state = f"{tag}:state"

@@ -3,10 +3,11 @@
 Delivery is at-least-once. A learner's XADD may be retried and duplicated (the syncer
 dedupes). The syncer reads with XREADGROUP into the open round and acknowledges entries only
 inside the round's commit, a single MULTI/EXEC on keys that share the fragment's hash tag,
-fenced by the fragment lease (WATCH): the new state, the published snapshot, the round record
-and the XACKs land together or not at all. A syncer that dies before its commit leaves its
-entries pending; on restart it drains its own pending list, and XAUTOCLAIM takes entries idle
-past the longest legitimate wait from consumers that never came back.
+fenced by the fragment lease (WATCH): the published snapshot, the round record and the XACKs
+(and, every few rounds, the fragment's full state: a checkpoint) land together or not at all.
+A syncer that dies before its commit leaves its entries pending; on restart it drains its own
+pending list, and XAUTOCLAIM takes entries idle past the longest legitimate wait from
+consumers that never came back.
 """
 
 from __future__ import annotations
@@ -181,16 +182,23 @@ class FragmentStreams:
         blobs = self.r.mget([fk.sent(v) for v in vs]) if vs else []
         return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
 
-    def commit_round(self, p: int, owner: str, *, state: bytes, snapshot: bytes, version: int,
-                     record: Mapping[str, str | int | float], ack_ids: list[str],
-                     drop_sent_version: int | None, extra_sent: Mapping[int, bytes] | None = None,
+    def commit_round(self, p: int, owner: str, *, state: bytes | None, snapshot: bytes,
+                     version: int, record: Mapping[str, str | int | float], ack_ids: list[str],
+                     drop_sent_versions: Iterable[int] = (),
+                     extra_sent: Mapping[int, bytes] | None = None,
                      earlier_records: list[Mapping] | None = None) -> str:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
+
+        A round writes its record, its acknowledgements and its published value (`snapshot`,
+        as ``sent:<version>`` and ``global``: one copy sent, the second made by the server);
+        a checkpoint round also the fragment's full `state` (None: not a checkpoint).
+        `drop_sent_versions` are snapshots no longer needed (older than the staleness window
+        of both the version and the checkpoint).
 
         Round records get the stream id ``<version>-0`` (``XRANGE …:rounds 12 12`` is round
         12), which makes a commit idempotent: re-committing a round whose record already exists
         (a retried EXEC, or a re-commit after Redis lost its last second) rewrites the same
-        state and skips the record. `earlier_records` re-adds records Redis lost.
+        values and skips the record. `earlier_records` re-adds records Redis lost.
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
@@ -201,13 +209,15 @@ class FragmentStreams:
             pipe.watch(fk.lease)
             self._check_lease(pipe.get(fk.lease), owner, p)
             pipe.multi()
-            pipe.set(fk.state, state)
-            pipe.set(fk.global_, snapshot)
+            if state is not None:
+                pipe.set(fk.state, state)
             pipe.set(fk.sent(version), snapshot)
+            pipe.copy(fk.sent(version), fk.global_, replace=True)
             for v, blob in (extra_sent or {}).items():
                 pipe.set(fk.sent(v), blob)
-            if drop_sent_version is not None and drop_sent_version >= 0:
-                pipe.delete(fk.sent(drop_sent_version))
+            drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
+            if drop:
+                pipe.delete(*drop)
             records = [*(earlier_records or []), record]
             for rec in records:
                 pipe.xadd(fk.rounds, {k: (json.dumps(v) if isinstance(v, list | dict) else v)
@@ -223,6 +233,30 @@ class FragmentStreams:
             if isinstance(res, redis.ResponseError) and "equal or smaller" not in str(res):
                 raise res  # anything but "this round record exists already"
         return f"{int(record['version'])}-0"
+
+    def checkpoint(self, p: int, owner: str, *, state: bytes, version: int,
+                   drop_sent_versions: Iterable[int] = ()) -> None:
+        """Write the fragment's full state at its committed `version` outside a round (the
+        end of a run), fenced by the lease.
+
+        Raises:
+            LeaseLost: another syncer holds the fragment; nothing was written.
+        """
+        fk = self.keys.fragment(p)
+        pipe = self.r.pipeline(transaction=True)
+        try:
+            pipe.watch(fk.lease)
+            self._check_lease(pipe.get(fk.lease), owner, p)
+            pipe.multi()
+            pipe.set(fk.state, state)
+            drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
+            if drop:
+                pipe.delete(*drop)
+            pipe.execute()
+        except redis.WatchError as e:
+            raise LeaseLost(f"fragment {p}: lease changed during the checkpoint") from e
+        finally:
+            pipe.reset()
 
     def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""

@@ -163,6 +163,13 @@ class BrokerConfig:
     claim_idle_ms: int = field(default=60_000, metadata=_rng(100, 86_400_000))
     max_deliveries: int = field(default=10, metadata=_rng(1, 1_000_000))
     keep_rounds: int = field(default=50, metadata=_rng(0, 10**9))
+    # The syncer writes a fragment's full fp32 state (Θ, outer momentum) every
+    # `checkpoint_rounds` rounds or `checkpoint_s` seconds (0: rounds only), whichever comes
+    # first, and at the end of the run; every round commits its record, acknowledgements and
+    # published value, and recovery replays the rounds since the checkpoint
+    # (`workers.recovery`). The stream keeps those rounds' entries whatever `keep_rounds` says.
+    checkpoint_rounds: int = field(default=20, metadata=_rng(1, 10**6))
+    checkpoint_s: float = field(default=120.0, metadata=_rng(0.0, 86_400.0))
     archive_dir: str = ""  # archive fragment entries here (msgpack files) before trimming
     stream_max_entries: int = field(default=100_000, metadata=_rng(10, 10**9))
     snapshot_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 86_400.0))

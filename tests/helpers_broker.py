@@ -161,8 +161,15 @@ def dlq_entries(r: redis.Redis, fk: FragmentKeys) -> list[dict[bytes, bytes]]:
 
 
 def state_version(r: redis.Redis, fk: FragmentKeys) -> int | None:
+    """The version of the fragment's checkpoint (its full state)."""
     blob = r.get(fk.state)
     return None if blob is None else int(unpack_state(blob)["version"])
+
+
+def committed_version(r: redis.Redis, fk: FragmentKeys) -> int | None:
+    """The fragment's latest committed version: its last round's, else its checkpoint's."""
+    last = r.xrevrange(fk.rounds, "+", "-", count=1)
+    return int(last[0][0].decode().split("-")[0]) if last else state_version(r, fk)
 
 
 def global_value(r: redis.Redis, fk: FragmentKeys) -> tuple[int, dict[str, np.ndarray]]:

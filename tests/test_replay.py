@@ -293,10 +293,12 @@ _SYNCER_ARCHIVES = "archive_dir" in {f.name for f in dataclasses.fields(cfgmod.B
 
 @pytest.mark.skipif(not _SYNCER_ARCHIVES, reason="the syncer has no broker.archive_dir yet")
 def test_syncer_archives_before_trimming_and_replay_reads_both(redis_url, tmp_path, capsys):
-    """A run that trims its streams (keep_rounds 2) replays from Redis + the syncer's archive."""
+    """A run that trims its streams (keep_rounds 2; a checkpoint every 2 rounds, so the rounds
+    since it are few) replays from Redis + the syncer's archive."""
     config = {**CONFIG, "steps": 24,
               "sync": {"fragments": 2, "sync_every": 4, "quorum": 2, "strict": True},
-              "broker": {"keep_rounds": 2, "archive_dir": str(tmp_path / "archive")}}
+              "broker": {"keep_rounds": 2, "checkpoint_rounds": 2,
+                         "archive_dir": str(tmp_path / "archive")}}
     cfg_path = tmp_path / "run.toml"
     cfg_path.write_text(cfgmod.dumps_toml(cfgmod.from_dict(config)))
     out = subprocess.run(

@@ -124,12 +124,12 @@ def test_ensure_group_reads_entries_pushed_before_the_group(r, cfg):
 # ------------------------------------------------------------------------------ commit
 
 
-def _commit(fs, owner, ids, version=1, drop=None):
-    return fs.commit_round(P, owner, state=b"STATE%d" % version, snapshot=b"SNAP%d" % version,
-                           version=version,
+def _commit(fs, owner, ids, version=1, drop=(), checkpoint=True):
+    return fs.commit_round(P, owner, state=b"STATE%d" % version if checkpoint else None,
+                           snapshot=b"SNAP%d" % version, version=version,
                            record={"version": version, "included": [[i, "L"] for i in ids],
                                    "reason": "test", "t": 1.5},
-                           ack_ids=ids, drop_sent_version=drop)
+                           ack_ids=ids, drop_sent_versions=drop)
 
 
 def test_commit_round_is_fenced_by_the_lease(r, keys, fs, cfg):
@@ -162,11 +162,11 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
     r.set(fk.sent(0), b"SNAP0")
     assert fs.acquire_lease(P, "syncer-0", 10_000)
 
-    rid = _commit(fs, "syncer-0", ids, version=1, drop=0)
+    rid = _commit(fs, "syncer-0", ids, version=1, drop=[0])
     assert r.get(fk.state) == b"STATE1"
     assert r.get(fk.global_) == b"SNAP1"
     assert r.get(fk.sent(1)) == b"SNAP1"
-    assert r.get(fk.sent(0)) is None  # drop_sent_version
+    assert r.get(fk.sent(0)) is None  # drop_sent_versions
     ((got_id, rec),) = r.xrange(fk.rounds)
     assert got_id.decode() == rid
     assert json.loads(rec[b"included"]) == [[i, "L"] for i in ids]
@@ -177,11 +177,34 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
 
     # a commit without acks returns the record id too (the last reply, not an XACK count)
     rid2 = fs.commit_round(P, "syncer-0", state=b"STATE2", snapshot=b"SNAP2", version=2,
-                           record={"version": 2}, ack_ids=[], drop_sent_version=None,
-                           extra_sent={7: b"X"})
+                           record={"version": 2}, ack_ids=[], extra_sent={7: b"X"})
     assert [x.decode() for x, _ in r.xrange(fk.rounds)] == [rid, rid2]
     assert r.get(fk.sent(7)) == b"X" and r.get(fk.sent(1)) == b"SNAP1"
     assert xpending_count(r, fk) == 1
+
+
+def test_a_round_between_checkpoints_leaves_the_state_and_keeps_old_snapshots(r, keys, fs, cfg):
+    """Without a checkpoint a round writes its record, acks and published value only; the
+    checkpoint is written alone at the end (`checkpoint`), and both drop what they are told."""
+    fk = keys.fragment(P)
+    ids = [fs.push(P, fields_of(cfg, "L0"))]
+    fs.read_new("syncer-0", [P], count=10, block_ms=10)
+    r.set(fk.state, b"STATE0")
+    r.set(fk.sent(0), b"SNAP0")
+    assert fs.acquire_lease(P, "syncer-0", 10_000)
+    _commit(fs, "syncer-0", ids, version=1, checkpoint=False)
+    assert r.get(fk.state) == b"STATE0"  # the checkpoint stays at version 0
+    assert (r.get(fk.global_), r.get(fk.sent(1)), r.get(fk.sent(0))) == (b"SNAP1", b"SNAP1",
+                                                                           b"SNAP0")
+    assert r.xlen(fk.rounds) == 1 and xpending_count(r, fk) == 0
+    fs.checkpoint(P, "syncer-0", state=b"STATE1", version=1, drop_sent_versions=[0, 1])
+    assert r.get(fk.state) == b"STATE1"
+    assert r.get(fk.sent(0)) is None and r.get(fk.sent(1)) == b"SNAP1"  # never its own
+    assert fs.acquire_lease(P, "syncer-1", 10) is False
+    r.set(fk.lease, b"syncer-1")
+    with pytest.raises(LeaseLost):
+        fs.checkpoint(P, "syncer-0", state=b"STATE9", version=1)
+    assert r.get(fk.state) == b"STATE1"
 
 
 def test_init_fragment_once_and_fenced(r, keys, fs):

@@ -26,6 +26,7 @@ from helpers_broker import (
     reference_round,
     rounds_records,
     run_syncer_process,
+    committed_version,
     state_version,
     store_run,
     tiny_config,
@@ -116,7 +117,7 @@ def assert_merged_once(r, keys, ids, syncer="syncer-0"):
     assert rec["version"] == "1" and rec["fragment"] == str(P) and rec["syncer"] == syncer
     assert rec["seconds"] == [1.5, 1.5]
     assert int(rec["tokens"]) == L0[3] + L1[3] and int(rec["steps"]) == L0[2] + L1[2]
-    assert state_version(r, fk) == 1
+    assert committed_version(r, fk) == 1
     assert xpending_count(r, fk) == 0
     return rec
 
@@ -405,5 +406,125 @@ def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url):
         s._next_lease = float("inf")  # no renewal before the commit: it meets the gap
         wait_for(lambda: s.poll_once(), timeout_s=10, what="the round")
         assert r.get(fk.lease) == b"syncer-0"
+    assert_merged_once(r, keys, ids)
+    assert state_version(r, fk) == 1
+
+
+# ------------------------------------------------------------ checkpoints and replayed rounds
+
+
+def _rounds(r, keys, cfg, s, n, base=0, stale_from=None):
+    """`n` rounds of fragment P through syncer `s` (in this process): L0 and L1 push on the
+    current version, L1 `stale_from` rounds behind once it is given (an anchor older than the
+    version). Returns the ids pushed."""
+    ids = []
+    for k in range(n):
+        v = s.frags[P].core.version
+        for who in (L0, L1):
+            learner, seed, steps, tokens = who
+            b = v if stale_from is None or learner == "L0" else max(0, v - stale_from)
+            ids.append(push(r, keys, P, contribution_fields(
+                learner, P, make_delta(cfg, P, 10 * (base + k) + seed), base_version=b,
+                steps=steps, tokens=tokens, step=100 * (base + k) + steps)))
+        wait_for(lambda v=v: s.poll_once() or s.frags[P].core.version > v, timeout_s=20,
+                 what=f"round {v + 1}")
+    return ids
+
+
+def _same_state(a, b):
+    import jax
+
+    assert a.version == b.version
+    for k in a.theta:
+        np.testing.assert_array_equal(a.theta[k], b.theta[k], err_msg=k)
+    for x, y in zip(jax.tree_util.tree_leaves(a.opt_state),
+                    jax.tree_util.tree_leaves(b.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert set(a.history) == set(b.history)
+    for v in a.history:
+        for k in a.history[v]:
+            np.testing.assert_array_equal(a.history[v][k], b.history[v][k])
+    assert a.sent_hash == b.sent_hash
+    assert a.seen == b.seen
+
+
+def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redis_url):
+    """Checkpoints every 3 rounds: after 5 rounds Redis holds the state of v3 and the records
+    of v4 and v5. A successor (the first syncer gone without a word) starts from v3, replays
+    the two rounds — stale contributions included, anchored at snapshots kept for the
+    checkpoint — and holds exactly the first one's state; the next round continues from it.
+    `diloco export`'s reader returns the values of v5, and replay verifies the whole run."""
+    from ops.cluster import global_params
+    from ops.tools.replay import replay
+
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
+                      broker={"block_ms": 50, "checkpoint_rounds": 3, "checkpoint_s": 0.0})
+    run = "ckpt-replay"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
+        a.start()
+        _rounds(r, keys, cfg, a, 2)
+        _rounds(r, keys, cfg, a, 3, base=2, stale_from=1)
+        first = a.frags[P].core
+        assert first.version == 5
+        assert state_version(r, fk) == 3 and committed_version(r, fk) == 5
+        # the anchors of the checkpoint's stale contributions (v1..v3) and the newer ones
+        assert sorted(int(k.decode().rsplit(":", 1)[1]) for k in r.keys(fk.sent("*"))) == [
+            1, 2, 3, 4, 5]
+        # the first syncer is gone: its leases have run out
+        r.delete(fk.lease, keys.fragment(OTHER).lease)
+        with syncer_in_process(SyncerConfig(redis_url, run, "syncer-1")) as (b, _):
+            b.start()
+            second = b.frags[P].core
+            _same_state(first, second)
+            ev = [f for _, f in r.xrange(keys.events) if f[b"kind"] == b"recovered"]
+            assert [(f[b"checkpoint"], f[b"rounds"], f[b"version"]) for f in ev] == [
+                (b"3", b"2", b"5")]
+            ctx = open_run(redis_url, run, wait_s=0)
+            params, versions = global_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments,
+                                             ctx.shapes, ctx.task.is_embedding)
+            ctx.r.close()
+            assert versions[P] == 5
+            for k, v in first.theta.items():
+                np.testing.assert_array_equal(params[k], v)
+            # one more round from the recovered state: the successor's own (a checkpoint: 6-3)
+            _rounds(r, keys, cfg, b, 1, base=5)
+            assert state_version(r, fk) == committed_version(r, fk) == 6
+            assert r.get(fk.sent(3)) is None and r.get(fk.sent(4)) is not None
+    rep = replay(redis_url, run)
+    assert rep["ok"], rep
+    frag = next(f for f in rep["fragments"] if f["fragment"] == P)
+    assert frag["rounds_checked"] == 6 and frag["state_checked"]
+
+
+def test_rounds_that_cannot_be_replayed_stop_the_successor_with_the_reason(r, redis_url):
+    """An entry merged after the checkpoint deleted from the stream: the successor refuses to
+    start (it cannot rebuild the committed value) and names the entry and the checkpoint."""
+    from workers.recovery import RecoveryError
+
+    cfg = recovery_config(checkpoint_rounds=10, checkpoint_s=0.0)
+    run = "ckpt-gone"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, run, fragments=(P,))) as (a, _):
+        a.start()
+        ids = _rounds(r, keys, cfg, a, 2)
+        r.delete(fk.lease)
+    r.xdel(fk.frags, ids[2])
+    with syncer_in_process(SyncerConfig(redis_url, run, "syncer-1", fragments=(P,))) as (b, _):
+        with pytest.raises(RecoveryError, match=f"{ids[2]}.*checkpoint at v0"):
+            b.start()
+
+
+def test_the_end_of_a_run_writes_a_checkpoint(r, redis_url):
+    """A syncer that stops (max_rounds here, the run's end alike) checkpoints every fragment
+    whose state is behind, so nothing is replayed afterwards."""
+    cfg = recovery_config()  # checkpoint_rounds 20: no round of this run is one
+    run = "ckpt-end"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+    assert SyncerThread(SyncerConfig(redis_url, run, max_rounds=1)).start().join(r, keys) == 0
     assert_merged_once(r, keys, ids)
     assert state_version(r, fk) == 1

@@ -42,19 +42,21 @@ from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import kernels
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
-from workers import native
+from workers import native, recovery
 from workers.common import (
     RunContext,
     add_redis_args,
     add_role_args,
     apply_environment,
-    decode_values,
     open_run,
     require_security,
     usage_error,
 )
 
 log = logging.getLogger("diloco.syncer")
+
+# rounds of one fragment one poll may close back to back (deferred entries fill the next)
+_CLOSES_PER_POLL = 8
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,15 @@ class _Frag:
     deferred: list[Entry] = field(default_factory=list)
     final_seen: set[str] = field(default_factory=set)
     finished: bool = False
-    recent_min_ids: list[str] = field(default_factory=list)       # oldest id of recent rounds
+    # (version, oldest entry id) of recent rounds
+    recent_min_ids: list[tuple[int, str]] = field(default_factory=list)
     # recent round records with their acknowledged ids, and recent snapshots: enough to
     # re-commit what Redis lost if it restarts from an AOF missing its last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
     snapshots: dict[int, bytes] = field(default_factory=dict)
+    ckpt_version: int = 0      # the version of the fragment's last checkpoint (full state)
+    ckpt_t: float = 0.0        # when it was written (monotonic)
+    sent_floor: int = 0        # the oldest `sent:<v>` snapshot Redis may still hold
 
 
 def _payload_digest(e: Entry, limit: int) -> str | None:
@@ -198,9 +204,8 @@ class Syncer:
                 self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
                                            snapshot=self._snapshot(core))
                 state_blob, _ = self.streams.load_state(p)
-            core = self._restore(p, state_blob)
-            self.frags[p] = _Frag(core)
-            self.frags[p].snapshots[core.version] = self._snapshot(core)
+            f = self.frags[p] = self._recover(p, state_blob)
+            f.snapshots[f.core.version] = self._snapshot(f.core)
         registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
         registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
                        fragments=self.owned, endpoint=self.pub.endpoint)
@@ -235,25 +240,24 @@ class Syncer:
         return {n: rec for n, rec in reports.items()
                 if self.verifier.record_ok(self.ctx.keys.run, kind, n, rec)}
 
-    def _restore(self, p: int, blob: bytes) -> FragmentSyncer:
-        state = unpack_state(blob, max_bytes=self._state_limit(), shapes=self._shapes(p))
-        version = int(state["version"])
-        lo = max(0, version - self.sync.max_staleness)
-        history = {}
-        for v, snap in self.streams.load_sent(p, range(lo, version + 1)).items():
-            _, tensors = codec.unpack_snapshot(snap, max_bytes=self.bcfg.max_payload_bytes)
-            history[str(v)] = decode_values(tensors)
-        state["history"] = history
-        return FragmentSyncer.from_state_dict(state, self.run_cfg.outer, self.sync,
-                                              self.ctx.task.is_embedding, self._prior(p))
+    def _recover(self, p: int, blob: bytes) -> _Frag:
+        """The fragment at its latest committed version: its checkpoint, then the rounds
+        committed since replayed (`workers.recovery`)."""
+        rec = recovery.recover(self.ctx.r, self.ctx.keys.fragment(p), self.run_cfg,
+                               self._shapes(p), self.ctx.task.is_embedding,
+                               archive_dir=self.bcfg.archive_dir or None, blob=blob)
+        if rec.replayed:
+            log.info("fragment %d: checkpoint v%d + %d round(s) replayed in %.2f s → v%d", p,
+                     rec.checkpoint_version, rec.replayed, rec.seconds, rec.core.version)
+            registry.event(self.ctx.r, self.ctx.keys, "recovered", fragment=p,
+                           syncer=self.cfg.syncer_id, checkpoint=rec.checkpoint_version,
+                           rounds=rec.replayed, seconds=round(rec.seconds, 3),
+                           version=rec.core.version)
+        return _Frag(rec.core, ckpt_version=rec.checkpoint_version, ckpt_t=time.monotonic(),
+                     sent_floor=max(0, rec.checkpoint_version - self.sync.max_staleness))
 
     def _shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         return {n: self.ctx.shapes[n] for n in self.ctx.fragments[p]}
-
-    def _state_limit(self) -> int:
-        """The largest state blob to decode: Θ and two momentum-sized buffers in fp32 and
-        the bookkeeping — bounded by the payload limit's scale, never by the blob itself."""
-        return 4 * self.bcfg.max_payload_bytes
 
     def _prior(self, p: int) -> float | None:
         return fragment_prior(self.run_cfg, {n: self.ctx.shapes[n]
@@ -422,19 +426,21 @@ class Syncer:
                     raise LeaseLost(f"fragment {p}: lease lost")
             registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
 
-    def _maybe_close(self, p: int, final_expected: set[str] | None) -> None:
+    def _maybe_close(self, p: int, final_expected: set[str] | None) -> bool:
+        """Close the fragment's open round if it is due. True when a round was closed (or
+        refused)."""
         f = self.frags[p]
         if not f.core.contributors:
             if f.ack_extra and not f.entries:
                 self._commit_drops_only(p)
-            return
+            return False
         now = time.monotonic()
         if final_expected is not None and final_expected <= f.final_seen:
             reason = "final flush"
         else:
             d = f.core.decide(now, f.core.counted(self.live), self.step_time_s)
             if not d.close:
-                return
+                return False
             reason = d.reason
         try:
             self._close(p, reason, now)
@@ -450,6 +456,7 @@ class Syncer:
             f.ack_extra.extend(f.entries)
             f.entries = {}
             self._commit_drops_only(p)
+        return True
 
     def _note_refused(self, learner: str, p: int, base_version: int, step: int,
                       reason: str) -> None:
@@ -478,17 +485,21 @@ class Syncer:
         self.stats.commits += 1
         self.cfg.faults.at("before", self.stats.commits)
         record = self._record(result, t0)
-        oldest = result.version - self.sync.max_staleness - 1
         snapshot = self._snapshot(f.core)
         acks = list(f.entries) + f.ack_extra
         f.recent.append((record, acks))
         f.snapshots[result.version] = snapshot
-        f.snapshots.pop(oldest, None)
+        f.snapshots.pop(result.version - self.sync.max_staleness - 1, None)
+        checkpoint = (reason == "final flush" or self._checkpoint_due(f))
+        floor = self._sent_floor(f, result.version if checkpoint else f.ckpt_version)
         try:
             self.streams.commit_round(
-                p, self.cfg.syncer_id, state=self._state_blob(f.core), snapshot=snapshot,
-                version=result.version, record=record.to_fields(), ack_ids=acks,
-                drop_sent_version=oldest if oldest >= 0 else None)
+                p, self.cfg.syncer_id, state=self._state_blob(f.core) if checkpoint else None,
+                snapshot=snapshot, version=result.version, record=record.to_fields(),
+                ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor))
+            if checkpoint:
+                f.ckpt_version, f.ckpt_t = result.version, time.monotonic()
+            f.sent_floor = max(f.sent_floor, floor)
         except LeaseLost:
             if self.streams.lease_holder(p) is not None:
                 raise  # another syncer owns the fragment now: this one stops
@@ -528,6 +539,30 @@ class Syncer:
         for e in deferred:
             self._offer(e)
 
+    def _checkpoint_due(self, f: _Frag) -> bool:
+        """Whether the round being committed writes the fragment's full state."""
+        b = self.bcfg
+        return (f.core.version - f.ckpt_version >= b.checkpoint_rounds
+                or (b.checkpoint_s > 0 and time.monotonic() - f.ckpt_t >= b.checkpoint_s))
+
+    def _sent_floor(self, f: _Frag, ckpt_version: int) -> int:
+        """The oldest snapshot to keep: the anchors of stale contributions to the current
+        version and to the checkpoint's (recovery replays from there)."""
+        return max(0, min(f.core.version, ckpt_version) - self.sync.max_staleness)
+
+    def checkpoint_all(self) -> None:
+        """Write the full state of every fragment whose checkpoint is behind its version (the
+        end of the run: export and evaluation then read it without replaying)."""
+        for p, f in self.frags.items():
+            if f.ckpt_version == f.core.version:
+                continue
+            floor = self._sent_floor(f, f.core.version)
+            self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
+                                    version=f.core.version,
+                                    drop_sent_versions=range(f.sent_floor, floor))
+            f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
+            f.sent_floor = max(f.sent_floor, floor)
+
     def _record(self, r: RoundResult, t0: float) -> RoundRecord:
         entries = self.frags[r.fragment].entries
         return RoundRecord(
@@ -543,12 +578,14 @@ class Syncer:
         ids = list(f.entries)
         if not ids:
             return
-        f.recent_min_ids.append(min(ids, key=id_key))
+        f.recent_min_ids.append((f.core.version, min(ids, key=id_key)))
         keep = self.bcfg.keep_rounds
-        if keep and len(f.recent_min_ids) > keep:
-            cut = f.recent_min_ids.pop(0)
+        # the entries of rounds after the checkpoint stay: recovery replays them
+        if keep and len(f.recent_min_ids) > keep and f.recent_min_ids[0][0] <= f.ckpt_version + 1:
+            _, cut = f.recent_min_ids.pop(0)
             pending = [e.entry_id for e in f.deferred]
-            floor = min([cut] + pending, key=id_key)
+            after = [m for v, m in f.recent_min_ids if v > f.ckpt_version]
+            floor = min([cut, *after, *pending], key=id_key)
             if self.bcfg.archive_dir:
                 try:
                     archive.archive_below(self.ctx.r, self.ctx.keys, p, floor,
@@ -581,8 +618,11 @@ class Syncer:
         expected = {p: {n for n, rep in pushed.items() if p in rep.final}
                     for p in self.owned} if final else {}
         for p in self.owned:
-            if not self.frags[p].finished:
-                self._maybe_close(p, expected.get(p))
+            # a close offers the deferred entries of learners that were a round ahead: their
+            # round may be due at once (never wait for the next read's block_ms)
+            for _ in range(_CLOSES_PER_POLL):
+                if self.frags[p].finished or not self._maybe_close(p, expected.get(p)):
+                    break
         self._claim()
         if final and self._finish(expected):
             return True
@@ -600,6 +640,7 @@ class Syncer:
                 self._publish(p, f.core)
         if not all(self.frags[p].finished for p in self.owned):
             return False
+        self.checkpoint_all()
         versions = {str(p): self.frags[p].core.version for p in self.owned}
         registry.mark_syncer_final(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
                                    SyncerFinal(versions=versions, rounds=self.stats.rounds))
@@ -620,6 +661,7 @@ class Syncer:
                                 time.monotonic() - outage_since)
                     outage_since, backoff_s = None, 0.1
                 if self.poll_once():
+                    self._checkpoint_at_exit()
                     return 0
             except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
                 if outage_since is None:
@@ -632,15 +674,31 @@ class Syncer:
                     raise
                 outage_since = outage_since or time.monotonic()  # the stream vanished: resync
 
+    def _checkpoint_at_exit(self) -> None:
+        """A last checkpoint of every fragment (a restart then replays nothing)."""
+        try:
+            self.checkpoint_all()
+        except (LeaseLost, redis.RedisError) as e:
+            log.warning("no checkpoint at exit (%s): a successor replays the rounds since the "
+                        "last one", e)
+
+    def _committed_version(self, p: int) -> int:
+        """The version Redis holds for fragment p: its last round record's, else its
+        checkpoint's (-1: nothing)."""
+        v = recovery.committed_version(self.ctx.r, self.ctx.keys.fragment(p))
+        if v is not None:
+            return v
+        blob, _ = self.streams.load_state(p)
+        return -1 if blob is None else int(unpack_state(
+            blob, max_bytes=4 * self.bcfg.max_payload_bytes, shapes=self._shapes(p))["version"])
+
     def _resync(self) -> None:
         """After an outage: re-create groups, retake leases, re-commit rounds Redis lost."""
         for p, f in self.frags.items():
             self.streams.ensure_group(p)
             if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
                 raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
-            blob, _ = self.streams.load_state(p)
-            stored = int(unpack_state(blob, max_bytes=self._state_limit(),
-                                      shapes=self._shapes(p))["version"]) if blob else -1
+            stored = self._committed_version(p)
             if stored >= f.core.version:
                 continue
             lost = [(rec, acks) for rec, acks in f.recent if rec.version > stored]
@@ -653,8 +711,9 @@ class Syncer:
                 snapshot=f.snapshots[f.core.version], version=f.core.version,
                 record=lost[-1][0].to_fields(),
                 earlier_records=[rec.to_fields() for rec, _ in lost[:-1]],
-                ack_ids=[i for _, acks in lost for i in acks], drop_sent_version=None,
+                ack_ids=[i for _, acks in lost for i in acks],
                 extra_sent={v: b for v, b in f.snapshots.items() if v > stored})
+            f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
             registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,
                            redis_version=stored, version=f.core.version)
 

@@ -3,7 +3,8 @@
 It starts the same processes an operator starts by hand on separate hosts (`diloco syncer`,
 `diloco learner`, as ``python -m workers.<role>``), each with its log file under
 ``<run_dir>/logs``; it restarts, signals, kills and stops them, reports their exit codes, and
-reads the global model (the syncers' committed fp32 state) to evaluate it. It never prints.
+reads the global model (the syncers' checkpointed fp32 state and the rounds since) to
+evaluate it. It never prints.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -24,32 +26,37 @@ from broker import registry
 from broker.connection import URL_ENV, connect, has_secret
 from broker.errors import BrokerError
 from broker.keys import RunKeys
-from broker.state import unpack_state
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Data, stored_spec, task_of
 from pipeline.train import evaluate
+from workers.recovery import recover
 
 log = logging.getLogger("diloco.supervisor")
 
 
-def global_params(r: redis.Redis, keys: RunKeys,
-                  n_frags: int) -> tuple[dict[str, np.ndarray], list[int]]:
-    """The global Θ (fp32) of every fragment, from the syncers' committed state.
+def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list[list[str]],
+                  shapes: dict[str, tuple[int, ...]], is_embedding: Callable[[str], bool]
+                  ) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The global Θ (fp32) of every fragment at its latest committed version: the syncers'
+    last checkpoint plus the rounds committed since, replayed (`workers.recovery.recover`).
 
     Raises:
-        BrokerError: A fragment has no committed state yet.
+        BrokerError: A fragment has no committed state yet, or its rounds since the
+            checkpoint cannot be replayed (`workers.recovery.RecoveryError`).
     """
     params: dict[str, np.ndarray] = {}
     versions = []
-    for p in range(n_frags):
-        blob = r.get(keys.fragment(p).state)
+    for p, names in enumerate(fragments):
+        fk = keys.fragment(p)
+        blob = r.get(fk.state)
         if blob is None:
             raise BrokerError(f"fragment {p} has no committed state")
-        st = unpack_state(blob)
-        params.update({k: np.asarray(v, np.float32) for k, v in st["theta"].items()})
-        versions.append(int(st["version"]))
+        rec = recover(r, fk, cfg, {n: shapes[n] for n in names}, is_embedding,
+                      archive_dir=cfg.broker.archive_dir or None, blob=blob)
+        params.update({k: np.asarray(v, np.float32) for k, v in rec.core.theta.items()})
+        versions.append(rec.core.version)
     return params, versions
 
 
@@ -168,7 +175,8 @@ class Supervisor:
 
     def global_model(self) -> tuple[dict[str, np.ndarray], list[int]]:
         """The global parameters and each fragment's version (see :func:`global_params`)."""
-        return global_params(self.r, self.keys, len(self.frags))
+        return global_params(self.r, self.keys, self.cfg, self.frags, self.task.param_shapes(),
+                             self.task.is_embedding)
 
     def evaluate(self, data: Data) -> dict:
         """Evaluation loss and accuracy of the global model on the held-out split.

@@ -185,15 +185,17 @@ def export(redis_url: str, run: str, out: str | Path) -> dict[str, Any]:
         (per fragment), "params" (count), "tensors", "bytes" (file size), "config_hash"}``.
 
     Raises:
-        BrokerError: No configuration, or a fragment without committed state.
+        BrokerError: No configuration, a fragment without committed state, or rounds since
+            its checkpoint that cannot be replayed.
     """
     out = Path(out)
     if out.suffix != ".npz":
         out = out.with_name(out.name + ".npz")
     ctx = open_run(redis_url, run, wait_s=0, verify=False)
-    r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
+    r, keys, cfg, run_hash = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash
     try:
-        params, versions = global_params(r, keys, n_frags)
+        params, versions = global_params(r, keys, cfg, ctx.fragments, ctx.shapes,
+                                         ctx.task.is_embedding)
     finally:
         r.close()
     out.parent.mkdir(parents=True, exist_ok=True)

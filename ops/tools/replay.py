@@ -8,7 +8,9 @@ or from the archive folder given with ``--archive``), decodes them, offers them 
 :class:`pipeline.syncer.FragmentSyncer` in the recorded order, closes the round and compares:
 the sha256 of the new down-link value with the recorded ``hash``, each entry's weight and
 staleness, the round's version and token/step totals. Snapshots still in Redis (``sent:<v>``,
-``global``) and the committed ``state`` (fp32 Θ and outer momentum) are cross-checked too.
+``global``) and the checkpointed ``state`` (fp32 Θ and outer momentum, written every
+``broker.checkpoint_rounds`` rounds) are cross-checked too, the state when replay reaches its
+version.
 
 A fragment stops at its first divergence, which is reported with the round's inputs (entry ids,
 learners, base versions, steps, tokens, weights, staleness, where each entry was read from).
@@ -32,7 +34,7 @@ import redis
 from broker import archive as archmod
 from broker import codec
 from broker.errors import BrokerError, DecodeError
-from broker.ids import as_text, id_key
+from broker.ids import id_key
 from broker.keys import FragmentKeys, RunKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
@@ -41,9 +43,9 @@ from pipeline.guard import fragment_prior
 from pipeline.quant import tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import open_run
+from workers.recovery import fetch_entries, iter_records, replay_round
 
 EXIT_OK, EXIT_DIVERGED, EXIT_UNUSABLE = 0, 1, 2
-_PAGE = 500
 
 
 class _Unusable(Exception):
@@ -75,8 +77,8 @@ def replay(redis_url: str, run_name: str, *, fragment: int | None = None,
     ``last_version`` (last verified version, 0 if none), ``verified``, ``divergence`` (null or
     see :func:`_divergence`), ``missing_entries`` (merged entry ids found nowhere, sorted),
     ``entries_from`` (``{"redis": n, "archive": n}``), ``snapshots_checked`` (versions whose
-    snapshot in Redis matched), ``state_checked`` (the committed fp32 state matched) and
-    ``error`` (null or why the fragment could not be replayed).
+    snapshot in Redis matched), ``state_checked`` (the checkpointed fp32 state matched at its
+    version) and ``error`` (null or why the fragment could not be replayed).
     """
     report: dict[str, Any] = {"run": run_name, "config_hash": None, "until": until,
                               "archive": None if archive_dir is None else str(archive_dir),
@@ -148,10 +150,13 @@ class _Replay:
             self.out["divergence"] = _divergence(0, None, "", "initial", [problem], None,
                                                  core.sent_hash, [], [])
             return
+        state = self._stored_state()
+        if state is not None and int(state["version"]) == 0:
+            self._check_state(core, state)
         records = self._records()
         for rid, rec in records:
             if self.until is not None and rec.version > self.until:
-                return
+                break
             inputs = self._fetch(rec.included)
             if self.out["missing_entries"]:
                 self._list_missing(records)
@@ -160,78 +165,30 @@ class _Replay:
                 return
             self.out["rounds_checked"] += 1
             self.out["last_version"] = core.version
-        self._check_state(core)
+            if state is not None and int(state["version"]) == core.version:
+                self._check_state(core, state)
+                if self.out["divergence"] is not None:
+                    return
+        if state is not None:
+            stored = int(state["version"])
+            if stored > core.version and (self.until is None or self.until > core.version):
+                raise _Unusable(f"the checkpointed state is at version {stored}, the rounds "
+                                f"stream ends at version {core.version}: round records are "
+                                f"missing")
 
     # -- one round -----------------------------------------------------------------------------
 
     def _round(self, core: FragmentSyncer, rid: str, rec: RoundRecord, inputs: dict) -> bool:
         """Replay one round; False (with the divergence recorded) if anything differs."""
-        version, problems, rows, kind = rec.version, [], [], ""
-
-        def bad(k: str, text: str) -> None:
-            nonlocal kind
-            kind = kind or k
-            problems.append(text)
-
-        if version != core.version + 1:
-            bad("version", f"record says version {version}, replay is at {core.version}")
-        for entry_id, learner, weight, staleness in rec.included:
-            fields, source = inputs[entry_id]
-            row = {"entry_id": entry_id, "source": source, "learner": learner,
-                   "recorded_weight": weight, "recorded_staleness": staleness, "weight": None,
-                   "staleness": None, "base_version": None, "step": None, "steps": None,
-                   "tokens": None, "accepted": False, "refusal": None}
-            rows.append(row)
-            try:
-                meta, tensors = codec.parse_entry(fields, max_bytes=self.max_bytes)
-            except DecodeError as e:
-                row["refusal"] = f"malformed entry: {e}"
-                bad("decode", f"entry {entry_id}: {e}")
-                continue
-            row.update(base_version=meta.base_version, step=meta.step, steps=meta.steps,
-                       tokens=meta.tokens)
-            if meta.fragment != self.p or meta.learner != learner:
-                bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
-                    f"{meta.fragment}, the record says learner {learner!r} fragment {self.p}")
-            c = meta.contribution(tensors, entry_id=entry_id,
-                                  nbytes=len(fields.get(b"payload", b"")))
-            ok, why = core.offer(c, 0.0)
-            row["accepted"], row["refusal"] = ok, None if ok else why
-            if not ok:
-                bad("refused", f"entry {entry_id} was merged by the syncer, replay refuses it: "
-                    f"{why}")
-                continue
-        recomputed = None
-        if any(row["accepted"] for row in rows):
-            result = core.close(0.0, rec.reason, rec.scale)
-            recomputed = result.sent_hash
-            merged = {entry_id: (w, s) for entry_id, _, w, s in result.included}
-            for row in rows:
-                if row["entry_id"] not in merged:
-                    continue
-                row["weight"], row["staleness"] = merged[row["entry_id"]]
-                if row["weight"] != row["recorded_weight"]:
-                    bad("weight", f"entry {row['entry_id']}: weight {row['weight']!r}, "
-                        f"recorded {row['recorded_weight']!r}")
-                if row["staleness"] != row["recorded_staleness"]:
-                    bad("staleness", f"entry {row['entry_id']}: staleness {row['staleness']}, "
-                        f"recorded {row['recorded_staleness']}")
-            if result.sent_hash != rec.hash:
-                bad("hash", f"value hash {result.sent_hash} differs from the recorded "
-                    f"{rec.hash}")
-            for name in ("tokens", "steps"):
-                got, recorded = getattr(result, name), getattr(rec, name)
-                if recorded is not None and got != recorded:
-                    bad("totals", f"{name}: {got}, recorded {recorded}")
-            if not problems:
-                problem = self._check_snapshot(version, result.sent_hash)
-                if problem:
-                    bad("snapshot", problem)
-        elif not problems:
-            bad("record", "the record lists no merged entries")
-        if problems:
+        check = replay_round(core, rec, inputs, self.max_bytes)
+        if not check.problems and check.result is not None:
+            problem = self._check_snapshot(rec.version, check.result.sent_hash)
+            if problem:
+                check.bad("snapshot", problem)
+        if check.problems:
             self.out["divergence"] = _divergence(
-                version, rid, rec.reason, kind, problems, rec.hash, recomputed, rows,
+                rec.version, rid, rec.reason, check.kind, check.problems, rec.hash,
+                None if check.result is None else check.result.sent_hash, check.rows,
                 [[i, str(why)] for i, why in rec.dropped])
             return False
         return True
@@ -239,36 +196,16 @@ class _Replay:
     # -- inputs --------------------------------------------------------------------------------
 
     def _records(self) -> Iterator[tuple[str, RoundRecord]]:
-        """The fragment's round records, oldest first, parsed (pages of XRANGE)."""
-        start = "-"
-        while True:
-            page = self.r.xrange(self.fk.rounds, start, "+", count=_PAGE)
-            for rid, fields in page:
-                try:
-                    rec = RoundRecord.from_fields(fields)
-                except DecodeError as e:
-                    raise _Unusable(f"round record {as_text(rid)} is malformed: {e}") from e
-                yield as_text(rid), rec
-            if len(page) < _PAGE:
-                return
-            start = "(" + as_text(page[-1][0])
+        """The fragment's round records, oldest first, parsed."""
+        return iter_records(self.r, self.fk)
 
     def _fetch(self, included: list) -> dict[str, tuple[dict, str]]:
         """Entry id → (raw fields, "redis" | "archive"); ids found nowhere go to the report."""
-        ids = [row[0] for row in included]
-        pipe = self.r.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xrange(self.fk.frags, entry_id, entry_id)
-        out = {}
-        for entry_id, rows in zip(ids, pipe.execute(), strict=True):
-            if rows and rows[0][1]:
-                out[entry_id] = (rows[0][1], "redis")
-            elif entry_id in self.archived:
-                out[entry_id] = (self.archived[entry_id], "archive")
-            else:
-                self.out["missing_entries"].append(entry_id)
-                continue
-            self.out["entries_from"][out[entry_id][1]] += 1
+        out, missing = fetch_entries(self.r, self.fk, [row[0] for row in included],
+                                     self.archived)
+        self.out["missing_entries"] += missing
+        for _, source in out.values():
+            self.out["entries_from"][source] += 1
         return out
 
     def _list_missing(self, records: Iterator[tuple[str, RoundRecord]]) -> None:
@@ -299,19 +236,16 @@ class _Replay:
         self.out["snapshots_checked"].append(version)
         return None
 
-    def _check_state(self, core: FragmentSyncer) -> None:
-        """At the committed version: the fp32 Θ and the outer momentum must match exactly."""
+    def _stored_state(self) -> dict | None:
+        """The fragment's checkpointed state (the syncer writes it every few rounds)."""
         blob = self.r.get(self.fk.state)
         if blob is None:
-            return
-        state = unpack_state(blob, max_bytes=4 * self.max_bytes,
-                             shapes={n: v.shape for n, v in self.theta0.items()})
-        stored = int(state["version"])
-        if stored > core.version and (self.until is None or self.until > core.version):
-            raise _Unusable(f"the committed state is at version {stored}, the rounds stream "
-                            f"ends at version {core.version}: round records are missing")
-        if stored != core.version:
-            return
+            return None
+        return unpack_state(blob, max_bytes=4 * self.max_bytes,
+                            shapes={n: v.shape for n, v in self.theta0.items()})
+
+    def _check_state(self, core: FragmentSyncer, state: dict) -> None:
+        """At the checkpoint's version: the fp32 Θ and the outer momentum must match exactly."""
         mine = jax.tree_util.tree_leaves(core.opt_state)
         same = (set(state["theta"]) == set(core.theta)
                 and all(np.array_equal(state["theta"][k], core.theta[k]) for k in core.theta)
@@ -321,7 +255,7 @@ class _Replay:
         if not same:
             self.out["divergence"] = _divergence(
                 core.version, None, "", "state",
-                [f"the committed state at version {core.version} (fp32 value and momentum) "
+                [f"the checkpointed state at version {core.version} (fp32 value and momentum) "
                  f"differs from replay although every round hash matched"], None, None, [], [])
             return
         self.out["state_checked"] = True

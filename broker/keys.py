@@ -45,11 +45,16 @@ Per-fragment keys:
                                                 ``steps``, ``tokens``, ``codec``, ``nbytes``,
                                                 ``sha256``, binary ``payload``, ``seconds``,
                                                 ``final``); consumer group ``syncers``
-``ddl:{<run>/fNNNN}:state``           string    msgpack syncer state (Θ fp32, momentum,
-                                                version, recent dedupe keys, grace estimator)
+``ddl:{<run>/fNNNN}:state``           string    the checkpoint: msgpack syncer state (Θ fp32,
+                                                momentum, version, recent dedupe keys, grace
+                                                estimator), written every
+                                                ``broker.checkpoint_rounds`` rounds; the rounds
+                                                since are replayed from ``:rounds``
 ``ddl:{<run>/fNNNN}:global``          string    snapshot of the latest published value
 ``ddl:{<run>/fNNNN}:sent:<version>``  string    snapshot of a recent version (anchors stale
-                                                contributions; the last max_staleness+1 kept)
+                                                contributions; kept from max_staleness versions
+                                                before the older of the version and the
+                                                checkpoint)
 ``ddl:{<run>/fNNNN}:rounds``          stream    one record per closed round
                                                 (``broker.records.RoundRecord``)
 ``ddl:{<run>/fNNNN}:dlq``             stream    entries that failed validation, with reason

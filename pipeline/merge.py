@@ -192,14 +192,17 @@ class StreamingMerge:
             raise ValueError("no contributions to merge")
         out = {}
         for k, s in self._sum.items():
-            total = s.copy()
-            kernels.axpy([(total, anchor[k], coef[k]) for anchor, _, coef in
+            mean = s.copy()
+            kernels.axpy([(mean, anchor[k], coef[k]) for anchor, _, coef in
                           self._anchors.values() if coef[k] != 0.0])
-            mean = total / self.total_weight
+            np.divide(mean, self.total_weight, out=mean)  # in place: the same bits, no copies
             if self._rda[k]:
                 norm = float(np.sqrt(np.sum(np.square(mean))))
                 radius = self._sum_norm[k] / self.total_weight
-                mean = mean * (radius / norm) if norm > 0 else np.zeros_like(mean)
+                if norm > 0:
+                    np.multiply(mean, radius / norm, out=mean)
+                else:
+                    mean[...] = 0.0
             out[k] = mean.astype(np.float32)
         return out
 

@@ -16,6 +16,7 @@ import pytest
 import zmq
 from helpers_broker import (
     SyncerThread,
+    committed_version,
     contribution_fields,
     dlq_entries,
     global_value,
@@ -26,7 +27,6 @@ from helpers_broker import (
     reference_round,
     rounds_records,
     run_syncer_process,
-    committed_version,
     state_version,
     store_run,
     tiny_config,

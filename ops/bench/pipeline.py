@@ -7,7 +7,8 @@ Each one measures its ratio side by side in one run on this machine:
   of the same entries (same stream, two consumer groups, alternating passes);
 * memory — the syncer's peak RSS with 4 vs 64 synthetic pushers on the same fragment size;
 * latency — from the last needed contribution's XADD to the subscriber receiving the merged
-  value, p50/p99, for ~4 MB fragments.
+  value, p50/p99, for ~4 MB fragments;
+* recovery — a successor syncer's start against the rounds since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from pipeline.task import task_of
 from workers.common import open_run
 from workers.syncer import Syncer, SyncerConfig
 
+# The default checkpoint interval (broker.checkpoint_rounds)
+CHECKPOINT_ROUNDS = cfgmod.BrokerConfig().checkpoint_rounds
 # A model whose non-embedding fragments hold ~1M fp32 parameters (~4 MB) each at P=5.
 BIG = {"model": {"d_model": 288, "n_layers": 4, "n_heads": 4, "seq_len": 64},
        "data": {"max_bytes": 400_000}, "sync": {"fragments": 5}}
@@ -73,14 +76,28 @@ def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
 def bench_pipeline(quick: bool = False) -> dict:
     """Pipeline efficiency, side by side in one run: 64 learners pushing once each into one
     round (decode + merge dominate; one commit per 64 entries) for each up-link codec (int4 is
-    the shipped default), 4 learners with a round (merge, outer step, atomic commit, publish)
-    every 4 entries, int4, and the first again with the merge kernels on 1 and 2 threads."""
+    the shipped default); 4 learners with a round (merge, outer step, atomic commit, publish)
+    every 4 entries, int4 and fp32, with the full state checkpointed every round (as every
+    commit wrote it before checkpoints) and every `CHECKPOINT_ROUNDS` (the default); and the
+    first again with the merge kernels on 1 and 2 threads.
+
+    ``commit_ratio_*``: the syncer's MB/s with a round every 4 entries ÷ its MB/s with one
+    round per 64 entries (the same codec) — what per-round work costs."""
 
     out: dict = {"bench": "pipeline", "merge_kernels": kernels.backend()}
     reps = 2 if quick else 3
     for codec_up in ("int4", "int8", "bf16", "fp32"):
         out[f"decode_merge_{codec_up}"] = _pipeline_pass(64, 1, reps, codec_up)
-    out["with_commits"] = _pipeline_pass(4, 4 if quick else 16, reps, "int4")
+    n_rounds = 4 if quick else CHECKPOINT_ROUNDS  # one checkpoint per pass at the default
+    for codec_up in ("int4", "fp32"):
+        for every in (1, CHECKPOINT_ROUNDS):
+            r = _pipeline_pass(4, n_rounds, reps, codec_up, broker={"checkpoint_rounds": every,
+                                                                    "checkpoint_s": 0.0})
+            key = f"with_commits_{codec_up}_checkpoint_{every}"
+            out[key] = {**r, "checkpoint_rounds": every}
+            out[f"commit_ratio_{codec_up}_checkpoint_{every}"] = (
+                r["syncer_mb_s"] / out[f"decode_merge_{codec_up}"]["syncer_mb_s"])
+    out["with_commits"] = out[f"with_commits_int4_checkpoint_{CHECKPOINT_ROUNDS}"]
     # the syncer's capacity against the threads its merge kernels may use (int4, 64 entries
     # into one round): contributions/s, and MB/s per thread
     out["merge_threads"] = {}
@@ -98,9 +115,10 @@ def bench_pipeline(quick: bool = False) -> dict:
     return out
 
 
-def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4") -> dict:
+def _pipeline_pass(M: int, n_rounds: int, reps: int, codec_up: str = "int4",
+                   broker: dict | None = None) -> dict:
 
-    cfg = cfgmod.from_dict({**BIG, "learners": M,
+    cfg = cfgmod.from_dict({**BIG, "learners": M, "broker": broker or {},
                             "sync": {**BIG["sync"], "quorum": M, "codec_up": codec_up}})
     p = 1
     with RedisServer(appendonly=False) as srv:
@@ -155,6 +173,72 @@ def _frag_params(cfg: RunConfig, p: int) -> int:
     shapes = task.param_shapes()
     names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     return int(sum(np.prod(shapes[n]) for n in names))
+
+
+# -- recovery after a syncer dies, vs rounds since its last checkpoint --------------------------
+
+def bench_recovery(quick: bool = False) -> dict:
+    """How long a successor syncer takes to start on a fragment whose last checkpoint is R
+    rounds behind its committed version (4 int4 contributions per round, the 1M-parameter
+    fragment): a syncer commits R rounds with no checkpoint after version 0 and is gone (its
+    lease deleted, as when it runs out); a second one starts, replays the R rounds and must
+    hold the same value (its hash). ``start_s`` is the whole start (state, replay,
+    re-publish, pending entries), ``replay_s`` the replay alone; the lease timeout
+    (``broker.lease_ms``) comes on top when a syncer dies without releasing it."""
+    points = (0, 4, 8) if quick else (0, 5, 10, 20, 40)
+    out: dict = {"bench": "recovery", "learners": 4, "points": []}
+    for n in points:
+        out["points"].append(_recovery_point(n))
+    pts = [x for x in out["points"] if x["rounds_since_checkpoint"] > 0]
+    out["replay_s_per_round"] = statistics.median(x["replay_s"] / x["rounds_since_checkpoint"]
+                                                  for x in pts)
+    return out
+
+
+def _recovery_point(n_rounds: int, M: int = 4) -> dict:
+    cfg = cfgmod.from_dict({**BIG, "learners": M,
+                            "broker": {"checkpoint_rounds": 10**6, "checkpoint_s": 0.0},
+                            "sync": {**BIG["sync"], "quorum": M, "codec_up": "int4"}})
+    p = 1
+    with RedisServer(appendonly=False) as srv:
+        store_run_config(srv.url, "bench", cfg)
+        ctx = open_run(srv.url, "bench")
+        zctx = zmq.Context()
+        try:
+            first = Syncer(SyncerConfig(srv.url, "bench", "syncer-a", fragments=(p,)), ctx, zctx)
+            first.start()
+            for m in range(M):
+                registry.heartbeat(ctx.r, ctx.keys, f"L{m}", Heartbeat(step_s=1.0), ttl_s=3600)
+            streams = FragmentStreams(ctx.r, ctx.keys)
+            payloads = [_fragment_delta(cfg, p, seed) for seed in range(M)]
+            for rnd in range(n_rounds):
+                v = first.frags[p].core.version
+                for m in range(M):
+                    streams.push(p, entry(cfg, f"L{m}", p, v, rnd + 1, payloads[m]))
+                while first.frags[p].core.version == v:
+                    first.poll_once()
+            want = first.frags[p].core.sent_hash
+            first.pub.close()
+            ctx.r.delete(ctx.keys.fragment(p).lease)  # gone without a word: the lease ran out
+            t0 = time.perf_counter()
+            second = Syncer(SyncerConfig(srv.url, "bench", "syncer-b", fragments=(p,)), ctx,
+                            zctx)
+            second.start()
+            start_s = time.perf_counter() - t0
+            second.pub.close()
+            got = second.frags[p].core
+            if got.version != n_rounds or got.sent_hash != want:
+                raise RuntimeError(f"the successor holds v{got.version} {got.sent_hash[:12]}, "
+                                   f"the first syncer v{n_rounds} {want[:12]}")
+            replay_s = 0.0
+            for _, f in ctx.r.xrange(ctx.keys.events):
+                if f.get(b"kind") == b"recovered":
+                    replay_s = float(f[b"seconds"])
+        finally:
+            ctx.r.close()
+            zctx.term()
+    return {"rounds_since_checkpoint": n_rounds, "start_s": start_s, "replay_s": replay_s,
+            "fragment_params": _frag_params(cfg, p)}
 
 
 # -- syncer memory and round latency (a real syncer process, synthetic pushers) -----------------

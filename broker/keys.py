@@ -22,6 +22,8 @@ key                                   type      contents
 ``ddl:{<run>}:hb:<learner>``          string    ``1`` with a TTL: the learner is live while set
 ``ddl:{<run>}:syncers``               hash      syncer id → JSON (PUB endpoint, fragments,
                                                 rounds, last reason, heartbeat time)
+``ddl:{<run>}:members``               zset      syncer id → until when it is alive (ms, Redis
+                                                clock): the syncers that share the fragments
 ``ddl:{<run>}:events``                stream    join, leave, rejoin, timeout, fault, done …
 ``ddl:{<run>}:done``                  hash      end-of-run reports (``broker.registry``):
                                                 ``<learner>``, ``final:<learner>``,
@@ -95,6 +97,7 @@ class RunKeys:
         self.config = f"{base}:config"
         self.learners = f"{base}:learners"
         self.syncers = f"{base}:syncers"
+        self.members = f"{base}:members"
         self.events = f"{base}:events"
         self.done = f"{base}:done"
         self.refused = f"{base}:refused"

@@ -123,6 +123,30 @@ class FragmentStreams:
             if start == "0-0":
                 return out, deleted
 
+    def claim_others(self, p: int, consumer: str, page: int = 1000
+                     ) -> tuple[list[Entry], list[str]]:
+        """Take every entry of fragment p pending on another consumer, at once (XCLAIM with
+        no idle time): the caller has just taken the fragment's lease, so they were read by a
+        previous owner, which can no longer commit them.
+
+        Returns the claimed entries and the ids of those no longer in the stream (the caller
+        accounts for them as lost).
+        """
+        key = self.keys.fragment(p).frags
+        out, deleted, start = [], [], "-"
+        while True:
+            rows = self.r.xpending_range(key, GROUP, min=start, max="+", count=page)
+            ids = [as_text(row["message_id"]) for row in rows
+                   if as_text(row["consumer"]) != consumer]
+            if ids:
+                claimed = self.r.xclaim(key, GROUP, consumer, 0, ids)
+                got = {as_text(i): f for i, f in claimed if f}
+                out += [Entry(p, i, got[i]) for i in ids if i in got]
+                deleted += [i for i in ids if i not in got]
+            if len(rows) < page:
+                return out, deleted
+            start = "(" + as_text(rows[-1]["message_id"])
+
     def touch(self, p: int, consumer: str, ids: list[str]) -> None:
         """Reset the idle time of entries this consumer holds (XCLAIM JUSTID: no new delivery),
         so a round that waits long is not mistaken for a dead consumer's."""

@@ -53,3 +53,26 @@ def fragment_sizes(shapes: Mapping[str, tuple[int, ...]],
                    frags: list[list[str]]) -> list[int]:
     """Number of parameters in each fragment."""
     return [int(sum(np.prod(shapes[n]) for n in f)) for f in frags]
+
+
+def assign(sizes: Mapping[int, int], owners: list[str]) -> dict[str, list[int]]:
+    """Fragments shared among `owners` balanced by size (syncers sharded automatically).
+
+    Largest fragment first, each to the owner with the least total so far (ties: the first in
+    sorted order); every owner computes the same answer from the same inputs. Returns owner →
+    its fragments in increasing order (every owner present, maybe with none).
+
+    Args:
+        sizes: fragment → its size (parameters or bytes).
+        owners: the owners' ids (any order; duplicates ignored).
+    """
+    names = sorted(set(owners))
+    load = {n: 0 for n in names}
+    out: dict[str, list[int]] = {n: [] for n in names}
+    if not names:
+        return out
+    for p in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        n = min(names, key=lambda n: (load[n], names.index(n)))
+        out[n].append(p)
+        load[n] += sizes[p]
+    return {n: sorted(ps) for n, ps in out.items()}

@@ -33,6 +33,7 @@ def chaos(tmp_path, faults: list[Fault], duration_s: float, **overrides) -> dict
 
 def check(rep: dict, learners: int = 3) -> None:
     assert rep["lost"] == 0, rep["lost_keys"]
+    assert rep["merged_twice"] == 0, rep["merged_twice_keys"]
     assert rep["dropped_by_guard"] == 0, rep  # honest learners: the poison guard refuses none
     assert rep["crashes"] == {}, rep["crashes"]  # nothing died that the harness did not kill
     assert rep["learners_finished"] == [f"L{m}" for m in range(learners)], rep["exit_codes"]
@@ -65,6 +66,20 @@ def test_redis_killed_and_restarted(tmp_path):
 def test_standby_syncer_takes_over(tmp_path):
     rep = chaos(tmp_path, [Fault(12, "takeover", "", 1)], 32, standby=True)
     check(rep)
+
+
+def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
+    """Three syncers started without a fragment list share 8 fragments; one is SIGKILLed for
+    good mid-run and the other two take its fragments over (within its lease), claim what it
+    had read and never committed, and finish the run: nothing lost, nothing merged twice."""
+    rep = chaos(tmp_path, [Fault(14, "takeover", "syncer-1", 1)], 30, syncers=3,
+                sync={"fragments": 8, "sync_every": 16})
+    check(rep)
+    by = rep["rounds_by_syncer"]
+    assert sorted(by) == ["syncer-0", "syncer-1", "syncer-2"], by
+    # the killed syncer's fragments went on without it: every fragment has rounds of a
+    # survivor, and the survivors together cover all 8
+    assert all(by["syncer-0"][p] + by["syncer-2"][p] > 0 for p in range(8)), by
 
 
 @pytest.mark.slow

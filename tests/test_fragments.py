@@ -111,3 +111,20 @@ def test_every_fragment_pushed_once_per_window(H, P):
         due = [due_fragment(t, dh, P) for t in range(start + 1, start + window + 1)]
         pushed = sorted(p for p in due if p is not None)
         assert pushed == list(range(P)), (H, P, start)
+
+
+def test_assign_balances_by_size_and_every_owner_agrees():
+    from pipeline.fragments import assign
+
+    sizes = {0: 49_152, 1: 262_912, 2: 262_912, 3: 262_912, 4: 10, 5: 500_000, 6: 7, 7: 1}
+    got = assign(sizes, ["s2", "s0", "s1"])
+    assert assign(sizes, ["s1", "s2", "s0", "s1"]) == got  # any order, duplicates ignored
+    assert sorted(p for ps in got.values() for p in ps) == sorted(sizes)  # each exactly once
+    loads = sorted(sum(sizes[p] for p in ps) for ps in got.values())
+    assert loads[-1] - loads[0] <= max(sizes.values())  # greedy bound
+    assert got["s0"] == [5]  # the largest first, to the first owner
+    assert assign(sizes, ["only"]) == {"only": sorted(sizes)}
+    assert assign(sizes, []) == {}
+    assert assign({}, ["a", "b"]) == {"a": [], "b": []}
+    # more owners than fragments: some own none
+    assert sorted(len(v) for v in assign({0: 5, 1: 5}, ["a", "b", "c"]).values()) == [0, 1, 1]

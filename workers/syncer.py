@@ -40,6 +40,7 @@ from broker.records import (
 from broker.state import pack_state, unpack_state
 from broker.streams import Entry, FragmentStreams, LeaseLost
 from pipeline import kernels
+from pipeline.fragments import assign, fragment_sizes
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
 from workers import native, recovery
@@ -82,7 +83,7 @@ class SyncerConfig:
     redis_url: str
     run: str
     syncer_id: str = "syncer-0"
-    fragments: tuple[int, ...] = ()          # owned fragments; empty: all of them
+    fragments: tuple[int, ...] = ()          # owned fragments; empty: shared (`_rebalance`)
     bind: str = "tcp://127.0.0.1:0"          # PUB bind address (port 0: any free port)
     advertise_host: str | None = None        # host learners connect to (default: bind host)
     max_rounds: int = 0                      # stop after this many rounds (0: until run ends)
@@ -155,8 +156,16 @@ class Syncer:
         self.sync = ctx.cfg.effective_sync()
         self.bcfg = ctx.cfg.broker
         self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
-        self.owned = list(cfg.fragments) or list(range(len(ctx.fragments)))
-        bad = [p for p in self.owned if not 0 <= p < len(ctx.fragments)]
+        # no fragment list: the fragments are shared with the run's other such syncers
+        # (`_rebalance`); else exactly these, standing by while another syncer holds them
+        self.auto = not cfg.fragments
+        self.owned: list[int] = []
+        n_frags = len(ctx.fragments)
+        bad = [p for p in cfg.fragments if not 0 <= p < n_frags]
+        self.sizes = dict(enumerate(fragment_sizes(ctx.shapes, ctx.fragments)))
+        self._init: dict[str, np.ndarray] | None = None
+        self._next_balance = 0.0
+        self._unwanted: dict[int, float] = {}  # fragment → since when another should own it
         if bad:
             raise ValueError(f"--fragments {bad}: the run has fragments "
                              f"0..{len(ctx.fragments) - 1}")
@@ -180,22 +189,41 @@ class Syncer:
     # -- start -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        init = None
-        if not all(self.streams.load_state(p)[0] for p in self.owned):
-            # built before taking any lease: the first JAX call can outlast a short lease
-            init = {k: np.asarray(v) for k, v in
-                    self.ctx.task.init_params(self.run_cfg.seed).items()}
-        for p in self.owned:
-            while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
-                log.info("fragment %d is leased by another syncer; standing by", p)
-                self.phase, self.last_tick = "standing by", time.monotonic()
-                time.sleep(self.bcfg.lease_ms / 3000)
+        if self.auto:
+            self._rebalance(force=True)
+        else:
+            for p in self.cfg.fragments:
+                if self.streams.load_state(p)[0] is None:
+                    self._init_params()  # before any lease: JAX can outlast a short lease
+            for p in self.cfg.fragments:
+                while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
+                    log.info("fragment %d is leased by another syncer; standing by", p)
+                    self.phase, self.last_tick = "standing by", time.monotonic()
+                    time.sleep(self.bcfg.lease_ms / 3000)
+            self._adopt(list(self.cfg.fragments))
+        registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
+        registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
+                       fragments=self.owned, endpoint=self.pub.endpoint)
+        self._claim(force=True)
+        self.phase = "active" if self.owned else "standing by"
+
+    def _init_params(self) -> dict[str, np.ndarray]:
+        """The run's initial parameters (for fragments without state yet), built once."""
+        if self._init is None:
+            self._init = {k: np.asarray(v) for k, v in
+                          self.ctx.task.init_params(self.run_cfg.seed).items()}
+        return self._init
+
+    def _adopt(self, ps: list[int]) -> None:
+        """Take fragments whose leases this syncer holds now: their state at the latest
+        committed version (initialised if they have none), re-published; then the entries read
+        and never acknowledged — by this consumer before a crash, or by a previous owner —
+        merged once (an owner that lost its lease cannot commit them)."""
+        for p in ps:
             self.streams.ensure_group(p)
             state_blob, _ = self.streams.load_state(p)
             if state_blob is None:
-                if init is None:
-                    init = {k: np.asarray(v) for k, v in
-                            self.ctx.task.init_params(self.run_cfg.seed).items()}
+                init = self._init_params()
                 core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
                                       self.run_cfg.outer, self.sync,
                                       is_embedding=self.ctx.task.is_embedding,
@@ -206,19 +234,94 @@ class Syncer:
                 state_blob, _ = self.streams.load_state(p)
             f = self.frags[p] = self._recover(p, state_blob)
             f.snapshots[f.core.version] = self._snapshot(f.core)
-        registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
-        registry.event(self.ctx.r, self.ctx.keys, "syncer-start", syncer=self.cfg.syncer_id,
-                       fragments=self.owned, endpoint=self.pub.endpoint)
-        for p, f in self.frags.items():  # re-publish what is committed (restart after a crash)
-            self._publish(p, f.core)
-        for p in self.owned:
+            f.final_seen |= self._finals_done(p)
+            self.owned.append(p)
+        self.owned.sort()
+        for p in ps:  # re-publish what is committed (a restart after a crash, a takeover)
+            self._publish(p, self.frags[p].core)
+        for p in ps:
             self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
-        for p in self.owned:  # entries this consumer read before a crash, never acknowledged
+        for p in ps:
             pending = self.streams.read_pending(self.cfg.syncer_id, p)
             self._lost(p, [e.entry_id for e in pending if not e.fields])
             self._handle([e for e in pending if e.fields], check_deliveries=True)
-        self._claim(force=True)
-        self.phase = "active"
+            claimed, deleted = self.streams.claim_others(p, self.cfg.syncer_id)
+            self._lost(p, deleted)
+            self._handle(claimed, check_deliveries=True)
+
+    def _finals_done(self, p: int) -> set[str]:
+        """The learners whose final push to fragment p a previous owner merged or refused (a
+        syncer that takes a fragment over during the final flush never reads those)."""
+        out = set()
+        pushed = self._verified(registry.final_pushes(self.ctx.r, self.ctx.keys), "final-pushes")
+        for name, rep in pushed.items():
+            if p not in rep.final:
+                continue
+            for rec in (registry.merged(self.ctx.r, self.ctx.keys, name, p),
+                        registry.refusal(self.ctx.r, self.ctx.keys, name, p)):
+                if rec is not None and rec.step >= rep.steps:
+                    out.add(name)
+        return out
+
+    def _drop(self, p: int, *, release: bool) -> None:
+        """Stop serving fragment p. With `release` (this syncer still holds the lease): a
+        checkpoint first (the next owner replays nothing), then the lease. Entries read and not
+        committed stay pending here; the next owner claims them when it adopts the fragment."""
+        f = self.frags[p]
+        if release:
+            try:
+                if f.ckpt_version < f.core.version:
+                    self._checkpoint(p, f)
+            except LeaseLost:
+                release = False  # not ours any more: the next owner replays the rounds
+            else:
+                self.streams.release_lease(p, self.cfg.syncer_id)
+        del self.frags[p]
+        self.owned.remove(p)
+        self._unwanted.pop(p, None)
+        log.info("fragment %d: handed over at v%d (%s)", p, f.core.version,
+                 "released" if release else "lease lost")
+
+    def _closed(self) -> set[int]:
+        """Fragments whose final round a syncer has recorded (the run is over for them)."""
+        closed: set[int] = set()
+        for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
+            closed |= {int(p) for p in rep.versions}
+        return closed
+
+    def _rebalance(self, force: bool = False) -> None:
+        """Share the run's open fragments among the live syncers, balanced by size
+        (`pipeline.fragments.assign`; every syncer computes the same answer): hand over the
+        fragments another syncer should own (once their open round is empty, or after a lease
+        period), take the free ones this one should own. A dead syncer's fragments are taken
+        when its lease and membership run out; a syncer that leaves hands them over at once."""
+        now = time.monotonic()
+        if not force and now < self._next_balance:
+            return
+        self._next_balance = now + self.bcfg.lease_ms / 3000
+        me = self.cfg.syncer_id
+        members = registry.syncer_alive(self.ctx.r, self.ctx.keys, me, self.bcfg.lease_ms)
+        closed = self._closed()
+        mine = set(assign({p: n for p, n in self.sizes.items() if p not in closed},
+                          members).get(me, ()))
+        for p in list(self.owned):
+            f = self.frags[p]
+            if p in mine or f.finished:
+                self._unwanted.pop(p, None)
+                continue
+            since = self._unwanted.setdefault(p, now)
+            if not f.core.contributors or now - since > self.bcfg.lease_ms / 1000:
+                self._drop(p, release=True)
+        want = sorted(mine - set(self.owned) - closed)
+        if want and any(self.streams.load_state(p)[0] is None for p in want):
+            self._init_params()  # before any lease: JAX can outlast a short lease
+        got = [p for p in want if self.streams.acquire_lease(p, me, self.bcfg.lease_ms)]
+        if got:
+            self._adopt(got)
+            log.info("took fragments %s (syncers %s; now owns %s)", got, members, self.owned)
+            registry.event(self.ctx.r, self.ctx.keys, "rebalance", syncer=me, took=got,
+                           owns=self.owned, syncers=members)
+        self.phase = "active" if self.owned else "standing by"
 
     def run_finished(self) -> bool:
         """True when the run is over: every learner has its final report and the final rounds
@@ -227,10 +330,7 @@ class Syncer:
                                  "final")
         if len(reports) < self.run_cfg.learners:
             return False
-        closed: set[int] = set()
-        for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
-            closed |= {int(p) for p in rep.versions}
-        return set(self.owned) <= closed
+        return set(self.cfg.fragments or self.sizes) <= self._closed()
 
     def _verified(self, reports: dict, kind: str) -> dict:
         """With signed contributions on, the end-of-run reports signed by their learner's
@@ -421,9 +521,15 @@ class Syncer:
                 self.step_time_s = min(times)
         if now >= self._next_lease:
             self._next_lease = now + self.bcfg.lease_ms / 3000
-            for p in self.owned:
+            for p in list(self.owned):
                 if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
-                    raise LeaseLost(f"fragment {p}: lease lost")
+                    if not self.auto:
+                        raise LeaseLost(f"fragment {p}: lease lost")
+                    log.warning("fragment %d: lease lost (this syncer stalled longer than "
+                                "broker.lease_ms?); another syncer serves it", p)
+                    self._drop(p, release=False)
+            if self.auto:
+                self._rebalance(force=True)
             registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
 
     def _maybe_close(self, p: int, final_expected: set[str] | None) -> bool:
@@ -554,14 +660,16 @@ class Syncer:
         """Write the full state of every fragment whose checkpoint is behind its version (the
         end of the run: export and evaluation then read it without replaying)."""
         for p, f in self.frags.items():
-            if f.ckpt_version == f.core.version:
-                continue
-            floor = self._sent_floor(f, f.core.version)
-            self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
-                                    version=f.core.version,
-                                    drop_sent_versions=range(f.sent_floor, floor))
-            f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
-            f.sent_floor = max(f.sent_floor, floor)
+            if f.ckpt_version < f.core.version:
+                self._checkpoint(p, f)
+
+    def _checkpoint(self, p: int, f: _Frag) -> None:
+        floor = self._sent_floor(f, f.core.version)
+        self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
+                                version=f.core.version,
+                                drop_sent_versions=range(f.sent_floor, floor))
+        f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
+        f.sent_floor = max(f.sent_floor, floor)
 
     def _record(self, r: RoundResult, t0: float) -> RoundRecord:
         entries = self.frags[r.fragment].entries
@@ -609,9 +717,12 @@ class Syncer:
         """One iteration: read, merge, close due rounds, finish the run. True when done."""
         self.last_tick = time.monotonic()
         self._refresh()
-        entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
-                                        block_ms=self.bcfg.block_ms)
-        self._handle(entries)
+        if self.owned:
+            entries = self.streams.read_new(self.cfg.syncer_id, self.owned, count=8,
+                                            block_ms=self.bcfg.block_ms)
+            self._handle(entries)
+        else:  # every fragment is served by another syncer: stand by
+            time.sleep(self.bcfg.block_ms / 1000)
         pushed = self._verified(registry.final_pushes(self.ctx.r, self.ctx.keys),
                                 "final-pushes")
         final = len(pushed) >= self.run_cfg.learners
@@ -642,10 +753,13 @@ class Syncer:
             return False
         self.checkpoint_all()
         versions = {str(p): self.frags[p].core.version for p in self.owned}
-        registry.mark_syncer_final(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
-                                   SyncerFinal(versions=versions, rounds=self.stats.rounds))
+        if versions or not self.auto:
+            registry.mark_syncer_final(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
+                                       SyncerFinal(versions=versions, rounds=self.stats.rounds))
         registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
-        return True
+        # sharing the fragments: stop once every fragment's final round is recorded (until
+        # then, take over the fragments of a syncer that dies before closing them)
+        return not self.auto or set(self.sizes) <= self._closed()
 
     def run_forever(self) -> int:
         """Poll until the run ends; ride out Redis outages (backoff, then resync)."""
@@ -694,10 +808,13 @@ class Syncer:
 
     def _resync(self) -> None:
         """After an outage: re-create groups, retake leases, re-commit rounds Redis lost."""
-        for p, f in self.frags.items():
+        for p, f in list(self.frags.items()):
             self.streams.ensure_group(p)
             if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
-                raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
+                if not self.auto:
+                    raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
+                self._drop(p, release=False)
+                continue
             stored = self._committed_version(p)
             if stored >= f.core.version:
                 continue
@@ -752,8 +869,14 @@ def main(cfg: SyncerConfig) -> int:
         return s.run_forever()
     finally:
         s.pub.close()
-        for p in s.owned:
-            s.streams.release_lease(p, cfg.syncer_id)
+        try:
+            for p in s.owned:
+                s.streams.release_lease(p, cfg.syncer_id)
+            if s.auto:
+                registry.syncer_leave(s.ctx.r, s.ctx.keys, cfg.syncer_id)
+        except redis.RedisError as e:
+            log.warning("could not hand over the fragments at exit (%s): the others take them "
+                        "when the leases run out", e)
         zctx.term()
 
 
@@ -767,7 +890,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     add_redis_args(ap)
     ap.add_argument("--run", required=True)
     ap.add_argument("--id", default="syncer-0", help="syncer id (consumer name)")
-    ap.add_argument("--fragments", default="", help="comma-separated fragments (default: all)")
+    ap.add_argument("--fragments", default="",
+                    help="comma-separated fragments this syncer serves, standing by while "
+                         "another holds them (default: share every fragment with the run's "
+                         "other syncers started without the list, balanced by size)")
     ap.add_argument("--bind", default="tcp://127.0.0.1:0",
                     help="PUB bind address, e.g. tcp://0.0.0.0:5555 (port 0: any free port)")
     ap.add_argument("--advertise-host", default=None,

@@ -1,7 +1,8 @@
 """The chaos harness: a full run under injected faults, and its Jepsen-style accounting.
 
 The harness starts its own redis-server (AOF, appendfsync everysec, restartable on the same
-port), one syncer (and optionally a standby), and M learners, all through the run's
+port), N syncers (one by default; started without a fragment list, they share the fragments
+through leases) and M learners, all through the run's
 :class:`~ops.cluster.Supervisor`. Each learner reaches Redis and the
 syncers' PUB sockets through its own TCP proxies, so one learner can be cut off the network.
 Faults come from a schedule — scripted (at t, do X to Y for D seconds) or random (Poisson per
@@ -46,7 +47,7 @@ class ChaosRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, run: str, *, seed: int = 0,
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
-                 standby: bool = False, eval_every_s: float = 0.0,
+                 standby: bool = False, syncers: int = 1, eval_every_s: float = 0.0,
                  learner_args: dict[str, list[str]] | None = None):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
@@ -54,6 +55,8 @@ class ChaosRun:
         self.delays_s = delays_s or {}
         self.learner_args = learner_args or {}  # extra command-line arguments per learner
         self.standby = standby
+        # syncer processes, started without a fragment list: they share the fragments
+        self.n_syncers = max(syncers, 2 if standby else 1)
         self.eval_every_s = eval_every_s
         self.keys = RunKeys(run)
         self.state_dir = run_dir / "state"
@@ -96,9 +99,7 @@ class ChaosRun:
         self.sup = Supervisor(self.cfg, self.run, self.redis.url, self.run_dir)
         registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash(),
                               spec=stored_spec(self.cfg))
-        self.sync_ports = {"syncer-0": free_port()}
-        if self.standby:
-            self.sync_ports["syncer-1"] = free_port()
+        self.sync_ports = {f"syncer-{i}": free_port() for i in range(self.n_syncers)}
         for sid, port in self.sync_ports.items():
             self.sup.spawn(sid, role_cmd("syncer", self.redis.url, self.run, "--id", sid,
                                          "--bind", f"tcp://127.0.0.1:{port}", cfg=self.cfg))
@@ -164,8 +165,8 @@ class ChaosRun:
                 self.sup.spawn(sid, base + ["--fail-after-commit", "1"])
                 self.restore_cmds[sid] = base
             self.down[sid] = now + f.down_s
-        elif f.kind == "takeover":
-            self.sup.kill("syncer-0")  # for good: the standby must take its fragments
+        elif f.kind == "takeover":  # for good: the other syncers must take its fragments
+            self.sup.kill(target or "syncer-0")
         elif f.kind == "kill-redis":
             self.redis.kill()
             self.down["redis"] = now + f.down_s
@@ -205,7 +206,8 @@ class ChaosRun:
             code = p.poll()
             if code is None or code == 0 or name in self.down or name in self.gave_up:
                 continue
-            if name == "syncer-0" and any(f["kind"] == "takeover" for f in self.faults):
+            if any(f["kind"] == "takeover" and (f["target"] or "syncer-0") == name
+                   for f in self.faults):
                 continue
             if code in (17, 18):  # a fault-injected syncer exit: bring it back
                 self.sup.spawn(name)
@@ -303,9 +305,13 @@ class ChaosRun:
         finals = registry.learner_final_reports(self.r, self.keys)
         hashes = {k: v.hashes for k, v in finals.items()}
         versions_ok = True
+        by_syncer: dict[str, list[int]] = {}  # syncer → how many rounds of each fragment
         for p in range(len(self.frags)):
-            vs = [rec.version for rec in read_rounds(self.r, self.keys.fragment(p))]
+            recs = list(read_rounds(self.r, self.keys.fragment(p)))
+            vs = [rec.version for rec in recs]
             versions_ok &= all(b > a for a, b in zip(vs, vs[1:], strict=False))
+            for rec in recs:
+                by_syncer.setdefault(rec.syncer, [0] * len(self.frags))[p] += 1
         rep.update({
             "mode": self.cfg.mode, "learners": self.cfg.learners,
             "faults": self.faults, "exit_codes": {n: p.returncode for n, p in self.procs.items()},
@@ -314,6 +320,7 @@ class ChaosRun:
             "identical_final_values": len({json.dumps(h, sort_keys=True)
                                            for h in hashes.values()}) == 1 and bool(hashes),
             "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
+            "rounds_by_syncer": by_syncer,
             "resumes": [{"learner": f[b"learner"].decode(), "step": int(f[b"step"]),
                          "source": f[b"source"].decode(),
                          "progress": f.get(b"progress", b"0") == b"1"}

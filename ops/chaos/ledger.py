@@ -65,6 +65,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     keys = RunKeys(run)
     id_key, acked, repushes, attempted = read_acked(state_dir)
     merged: set[Key] = set()
+    times_merged: dict[Key | tuple[int, str], int] = defaultdict(int)
     dropped_stale: set[Key] = set()
     dropped_other: set[Key] = set()
     guard: set[Key] = set()  # refused by the poison guard (tokens, norm) or a refused round
@@ -88,7 +89,9 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
             t = rec.t or 0.0
             round_times.append(t)
             for i, inc in enumerate(rec.included):
-                k = _key_of(r, keys, p, inc.entry_id, id_key) or (inc.learner, p, -1, -1)
+                found = _key_of(r, keys, p, inc.entry_id, id_key)
+                times_merged[found or (p, inc.entry_id)] += 1
+                k = found or (inc.learner, p, -1, -1)
                 merged.add(k)
                 contributed[inc.learner].append(t)
                 if i < len(rec.seconds) and t >= t_start:  # inside the accounting window
@@ -152,6 +155,9 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
         "repushed_after_redis_loss": repushes,
         "lost": len(lost),
         "lost_keys": [list(k) for k in lost[:20]],
+        # a push (or an entry) that two rounds merged: exactly-once broken
+        "merged_twice": sum(1 for n in times_merged.values() if n > 1),
+        "merged_twice_keys": [list(k) for k, n in times_merged.items() if n > 1][:20],
         "rounds": len(round_times),
         "availability": min(1.0, len(busy) / windows),
         "goodput": useful_s / (learners * wall),

@@ -25,7 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pause-every-s", type=float, default=0.0)
     p.add_argument("--down-s", type=float, default=5.0, help="random schedule: downtime")
     p.add_argument("--pace-s", type=float, default=0.1, help="inner step wall time per learner")
-    p.add_argument("--standby", action="store_true", help="start a standby syncer")
+    p.add_argument("--standby", action="store_true",
+                   help="start a second syncer (the two share the fragments; as --syncers 2)")
+    p.add_argument("--syncers", type=int, default=1, metavar="N",
+                   help="syncer processes sharing the fragments (default 1)")
     p.add_argument("--out", default="runs")
     p.add_argument("--run", default=None)
     p.add_argument("--json", action="store_true")
@@ -54,7 +57,7 @@ def _cli(args: argparse.Namespace) -> int:
         with LiveView(mode="quiet" if args.json or args.quiet else "auto",
                       title=f"chaos {run}: M={cfg.learners}") as view:
             rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
-                            pace_s=args.pace_s, standby=args.standby,
+                            pace_s=args.pace_s, standby=args.standby, syncers=args.syncers,
                             progress=chaos_view(view))
     except (ValueError, OSError) as e:  # no redis-server, an unwritable --out, too few tensors
         return fail_on(e)

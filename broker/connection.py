@@ -18,6 +18,8 @@ import urllib.parse
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
 try:  # redis-py internals (stable across 5.x–8.x); without them, its default packer
@@ -30,6 +32,11 @@ except ImportError:  # pragma: no cover
 
 
 URL_ENV = "DILOCO_REDIS_URL"  # where every command looks for the Redis URL last
+
+# What an unreachable Redis (or a cluster whose slots are moving: a failover) raises once the
+# client's own retries are spent. Learners and syncers ride these out (back off, then resync).
+OUTAGE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError,
+                                       ClusterError, TryAgainError, RedisClusterException)
 
 
 def redact(url: str) -> str:
@@ -70,10 +77,17 @@ def url_from_env() -> str | None:
     return os.environ.get(URL_ENV) or None
 
 
-def quick(r: redis.Redis, timeout_s: float = 1.0) -> redis.Redis:
-    """A client of the same server, user and TLS settings as `r` that gives up after
-    `timeout_s` without retrying: for reads a training loop makes, which must not stall it
-    while the network is down."""
+def quick(r: redis.Redis | RedisCluster, timeout_s: float = 1.0) -> redis.Redis | RedisCluster:
+    """A client of the same server (or cluster), user and TLS settings as `r` that gives up
+    after `timeout_s` without retrying: for reads a training loop makes, which must not stall
+    it while the network is down."""
+    if isinstance(r, RedisCluster):
+        kw = {**r.nodes_manager.connection_kwargs, "socket_timeout": timeout_s,
+              "socket_connect_timeout": timeout_s}
+        for k in ("retry", "retry_on_error", "host", "port"):
+            kw.pop(k, None)
+        return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in r.get_nodes()],
+                            retry=Retry(NoBackoff(), 0), cluster_error_retry_attempts=0, **kw)
     pool = r.connection_pool
     kw = {**pool.connection_kwargs, "socket_timeout": timeout_s,
           "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
@@ -92,9 +106,36 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
     if socket_timeout_s * 1000 <= block_ms + 500:
         raise ValueError(f"broker.socket_timeout_s ({socket_timeout_s} s) must exceed "
                          f"broker.block_ms ({block_ms} ms) by at least 0.5 s")
-    retry = Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries)
-    return redis.Redis.from_url(
-        url, socket_timeout=socket_timeout_s, socket_connect_timeout=min(5.0, socket_timeout_s),
-        retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        health_check_interval=30, decode_responses=False,
-        **({"command_packer": _PACKER} if _PACKER is not None else {}))
+    common = {"socket_timeout": socket_timeout_s,
+              "socket_connect_timeout": min(5.0, socket_timeout_s), "decode_responses": False,
+              **({"command_packer": _PACKER} if _PACKER is not None else {})}
+    client = redis.Redis.from_url(
+        url, retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30,
+        **common)
+    if not is_cluster(client):
+        return client
+    client.close()
+    # any node's URL: the client reads the slot map from it and follows MOVED/ASK, and after
+    # a failover re-reads it (retrying with backoff while the slots move)
+    return RedisCluster.from_url(
+        url, retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries), **common)
+
+
+def is_cluster(r: redis.Redis) -> bool:
+    """Whether `r`'s server is a Redis Cluster node (``CLUSTER INFO`` answers; a standalone
+    server says cluster support is disabled; a user without the right to ask is taken for a
+    standalone server's).
+
+    Raises:
+        redis.ConnectionError, redis.TimeoutError: the server is not reachable.
+    """
+    try:
+        r.execute_command("CLUSTER", "INFO")
+        return True
+    except redis.exceptions.NoPermissionError:
+        return False
+    except redis.ResponseError as e:
+        if "cluster support disabled" in str(e).lower():
+            return False
+        raise

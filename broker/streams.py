@@ -13,16 +13,21 @@ consumers that never came back.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
+from redis.cluster import RedisCluster
 
 from broker.errors import BrokerError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, RunKeys
 
 Fields = dict[bytes, bytes]
+
+# a syncer on a Redis Cluster polls its fragments' streams this often when all are idle
+CLUSTER_IDLE_MS = 10
 
 # Extend the lease only if we still hold it (atomic compare-and-expire).
 _RENEW = """
@@ -52,6 +57,7 @@ class FragmentStreams:
         self.keys = keys
         self.max_entries = max_entries
         self._renew = r.register_script(_RENEW)
+        self.cluster = isinstance(r, RedisCluster)
 
     # -- learner side ---------------------------------------------------------------------------
 
@@ -74,9 +80,22 @@ class FragmentStreams:
 
     def read_new(self, consumer: str, fragments: Iterable[int], count: int,
                  block_ms: int) -> list[Entry]:
-        """New entries of `fragments` for this consumer (blocks up to block_ms)."""
-        streams = {self.keys.fragment(p).frags: ">" for p in fragments}
+        """New entries of `fragments` for this consumer (blocks up to block_ms).
+
+        On a Redis Cluster the fragments' streams live in different slots, which one
+        XREADGROUP may not name together: each is read without blocking (one pipeline, split
+        by node), and when none has anything the call waits `CLUSTER_IDLE_MS` (at most
+        block_ms) before returning nothing."""
         by_key = {self.keys.fragment(p).frags: p for p in fragments}
+        if self.cluster and len(by_key) > 1:
+            pipe = self.r.pipeline(transaction=False)
+            for key in by_key:
+                pipe.xreadgroup(GROUP, consumer, {key: ">"}, count=count)
+            out = [e for reply in pipe.execute() for e in self._entries(reply, by_key)]
+            if not out and block_ms:
+                time.sleep(min(block_ms, CLUSTER_IDLE_MS) / 1000)
+            return out
+        streams = dict.fromkeys(by_key, ">")
         reply = self.r.xreadgroup(GROUP, consumer, streams, count=count, block=block_ms)
         return self._entries(reply, by_key)
 

@@ -47,7 +47,7 @@ import redis
 import zmq
 
 from broker import codec, registry, signing
-from broker.connection import quick
+from broker.connection import OUTAGE, quick
 from broker.errors import BrokerError, DecodeError
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
@@ -408,7 +408,7 @@ class Island:
                 return None
             header, tensors = codec.unpack_snapshot(
                 blob, max_bytes=self.run_cfg.broker.max_payload_bytes)
-        except redis.RedisError as e:
+        except (redis.RedisError, *OUTAGE) as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing at the fragment's next turn", self.id, f.step, p, e)
             return DEFER

@@ -28,6 +28,7 @@ import redis
 import zmq
 
 from broker import codec, registry
+from broker.connection import OUTAGE
 from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
@@ -181,7 +182,7 @@ class LearnerNet(threading.Thread):
                                    down_s=round(now - down_since, 3))
                     down_since = None
                     self.redis_down = False
-            except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
+            except (*OUTAGE, redis.OutOfMemoryError) as e:
                 # unreachable, or full (maxmemory + noeviction): pushes stay queued
                 if down_since is None:
                     down_since = now
@@ -342,7 +343,7 @@ class LearnerNet(threading.Thread):
             try:
                 registry.event(self.ctx.r, self.ctx.keys, "bad-global", learner=self.id,
                                fragment=-1 if p is None else p, reason=reason)
-            except redis.RedisError:
+            except (redis.RedisError, *OUTAGE):
                 pass  # the log line stands; Redis being away is handled by the loop
 
     def close(self, timeout_s: float = 5.0) -> None:

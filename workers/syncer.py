@@ -25,6 +25,7 @@ import zmq
 
 from broker import archive, codec, registry, signing
 from broker.codec import EntryMeta
+from broker.connection import OUTAGE
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import CurveServer, Publisher
@@ -777,7 +778,7 @@ class Syncer:
                 if self.poll_once():
                     self._checkpoint_at_exit()
                     return 0
-            except (redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError) as e:
+            except (*OUTAGE, redis.OutOfMemoryError) as e:
                 if outage_since is None:
                     outage_since = time.monotonic()
                     log.warning("Redis unreachable (%s); retrying with backoff", e)

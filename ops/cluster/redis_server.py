@@ -85,12 +85,14 @@ class RedisServer:
         also_bind: More addresses it binds (`address_url` names them with ``host=``).
         prefix: Start the server through this command prefix (``ip netns exec <ns>``: the
             lab's hub namespace).
+        extra: More redis-server arguments (a cluster node's, `ClusterServers`).
     """
 
     def __init__(self, workdir: str | Path | None = None, appendonly: bool = True,
                  port: int | None = None, password: str | None = None,
                  tls: TlsFiles | None = None, host: str = "127.0.0.1",
-                 also_bind: tuple[str, ...] = (), prefix: list[str] | None = None):
+                 also_bind: tuple[str, ...] = (), prefix: list[str] | None = None,
+                 extra: tuple[str, ...] = ()):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -105,6 +107,7 @@ class RedisServer:
         self.host = host
         self.also_bind = tuple(also_bind)
         self.prefix = list(prefix or [])
+        self.extra = tuple(extra)
 
     @property
     def url(self) -> str:
@@ -139,6 +142,7 @@ class RedisServer:
                 "--maxmemory-policy", "noeviction"]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        args += list(self.extra)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
                              password=self.password,
@@ -178,6 +182,117 @@ class RedisServer:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ClusterServers:
+    """A local Redis Cluster: `masters` primaries with `replicas` replicas each, every node a
+    `RedisServer` (AOF everysec, its own folder) started with ``--cluster-enabled yes`` and
+    joined with ``redis-cli --cluster create``. `url` names the first node: a plain
+    ``redis://`` URL, as an operator would give any node's.
+
+    Args:
+        workdir: folder of the nodes' folders (default: a new temporary folder, removed on
+            stop).
+        masters, replicas: the topology (3 and 1: six nodes).
+        node_timeout_ms: ``cluster-node-timeout``: how long a master may be unreachable
+            before its replica is promoted.
+    """
+
+    def __init__(self, workdir: str | Path | None = None, masters: int = 3, replicas: int = 1,
+                 node_timeout_ms: int = 1000, appendonly: bool = True):
+        if shutil.which("redis-cli") is None:
+            raise FileNotFoundError("redis-cli was not found on PATH (it comes with "
+                                    "redis-server: " + INSTALL_HINT + ")")
+        self._tmp = None if workdir else tempfile.mkdtemp(prefix="diloco-cluster-")
+        self.workdir = Path(workdir or self._tmp).resolve()
+        self.n = masters * (1 + replicas)
+        self.masters_n, self.replicas = masters, replicas
+        self.nodes = [RedisServer(workdir=self.workdir / f"node{i}", appendonly=appendonly,
+                                  extra=("--cluster-enabled", "yes", "--cluster-config-file",
+                                         "nodes.conf", "--cluster-node-timeout",
+                                         str(node_timeout_ms),
+                                         # the bus port (default: port + 10000, which may not
+                                         # exist or be free)
+                                         "--cluster-port", str(free_port())))
+                      for i in range(self.n)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout_s: float = 60.0) -> ClusterServers:
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(["redis-cli", "--cluster", "create",
+                            *(f"{n.host}:{n.port}" for n in self.nodes),
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                           check=True, capture_output=True, timeout=timeout_s)
+            self.wait_ok(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _client(self, node: RedisServer) -> redis.Redis:
+        return redis.Redis(host=node.host, port=node.port, socket_timeout=2.0)
+
+    def state(self) -> dict[int, dict]:
+        """Each live node's ``CLUSTER INFO`` and ``ROLE`` (node index → {"ok", "role"})."""
+        out = {}
+        for i, node in enumerate(self.nodes):
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            c = self._client(node)
+            try:
+                info = c.execute_command("CLUSTER", "INFO").decode()
+                role = c.execute_command("ROLE")
+                out[i] = {"ok": "cluster_state:ok" in info,
+                          "role": role[0].decode(),
+                          "link_up": role[0] != b"slave" or role[3] == b"connected"}
+            except redis.RedisError:
+                continue
+            finally:
+                c.close()
+        return out
+
+    def wait_ok(self, timeout_s: float = 60.0) -> None:
+        """Until every live node says the cluster is ok, every master has its replicas and
+        every replica's link to its master is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.state()
+            masters = [i for i, x in st.items() if x["role"] == "master"]
+            if (st and all(x["ok"] and x["link_up"] for x in st.values())
+                    and len(masters) == self.masters_n):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not become ok: {st}")
+            time.sleep(0.1)
+
+    def master_indexes(self) -> list[int]:
+        return sorted(i for i, x in self.state().items() if x["role"] == "master")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node i (its replica is promoted after the node timeout)."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int) -> None:
+        """Start node i again (same port and folder: it rejoins, as a replica if it was
+        failed over)."""
+        self.nodes[i].start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> ClusterServers:
         return self.start()
 
     def __exit__(self, *exc) -> None:

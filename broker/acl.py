@@ -62,7 +62,8 @@ def key_rules(run: str, role: str) -> list[str]:
     read = [f"%R~{k}" for k in (keys.config, keys.stop, keys.finish)]
     if role == "syncer":
         return [*read, legacy, f"%R~{keys.learners}", f"%R~{keys.heartbeat('*')}",
-                f"~{keys.syncers}", f"~{keys.members}", f"~{keys.events}", f"~{keys.done}",
+                f"~{keys.syncers}", f"~{keys.members}", f"~{keys.member('*')}",
+                f"~{keys.events}", f"~{keys.done}",
                 f"~{keys.refused}", f"~{keys.merged}", f"~{frag}:*"]
     return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}", f"%R~{keys.merged}",
             f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",

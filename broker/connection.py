@@ -84,7 +84,7 @@ def quick(r: redis.Redis | RedisCluster, timeout_s: float = 1.0) -> redis.Redis 
     if isinstance(r, RedisCluster):
         kw = {**r.nodes_manager.connection_kwargs, "socket_timeout": timeout_s,
               "socket_connect_timeout": timeout_s}
-        for k in ("retry", "retry_on_error", "host", "port"):
+        for k in ("retry", "retry_on_error", "host", "port", "db"):
             kw.pop(k, None)
         return RedisCluster(startup_nodes=[ClusterNode(n.host, n.port) for n in r.get_nodes()],
                             retry=Retry(NoBackoff(), 0), cluster_error_retry_attempts=0, **kw)

@@ -22,8 +22,9 @@ key                                   type      contents
 ``ddl:{<run>}:hb:<learner>``          string    ``1`` with a TTL: the learner is live while set
 ``ddl:{<run>}:syncers``               hash      syncer id → JSON (PUB endpoint, fragments,
                                                 rounds, last reason, heartbeat time)
-``ddl:{<run>}:members``               zset      syncer id → until when it is alive (ms, Redis
-                                                clock): the syncers that share the fragments
+``ddl:{<run>}:members``               set       ids of the syncers that share the fragments
+``ddl:{<run>}:member:<syncer>``       string    ``1`` with a TTL (``broker.lease_ms``): the
+                                                syncer is a member while set
 ``ddl:{<run>}:events``                stream    join, leave, rejoin, timeout, fault, done …
 ``ddl:{<run>}:done``                  hash      end-of-run reports (``broker.registry``):
                                                 ``<learner>``, ``final:<learner>``,
@@ -105,11 +106,15 @@ class RunKeys:
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
+        self._member = f"{base}:member:"
         # where versions before the final key names kept the configuration
         self.legacy_config = f"{PREFIX}:{run}:config"
 
     def heartbeat(self, learner: str) -> str:
         return self._hb + learner
+
+    def member(self, syncer: str) -> str:
+        return self._member + syncer
 
     def fragment(self, p: int) -> FragmentKeys:
         return FragmentKeys(self.run, p)

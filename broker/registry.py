@@ -161,31 +161,36 @@ def endpoints(r: redis.Redis, keys: RunKeys) -> list[str]:
     return sorted({rec.endpoint for rec in syncer_records(r, keys).values() if rec.endpoint})
 
 
-def redis_ms(r: redis.Redis) -> int:
-    """Redis's clock in ms (every syncer compares membership times on the same clock)."""
-    sec, usec = r.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 def syncer_alive(r: redis.Redis, keys: RunKeys, syncer: str, ttl_ms: int) -> list[str]:
-    """Mark `syncer` a member for `ttl_ms` more (Redis's clock), forget members whose time ran
-    out, and return the members now (sorted)."""
-    now = redis_ms(r)
+    """Mark `syncer` a member for `ttl_ms` more (its key's TTL: Redis's clock, no host's),
+    forget members whose key expired, and return the members now (sorted)."""
     pipe = r.pipeline(transaction=True)
-    pipe.zadd(keys.members, {syncer: now + ttl_ms})
-    pipe.zremrangebyscore(keys.members, "-inf", now)
-    pipe.zrange(keys.members, 0, -1)
-    return sorted(as_text(m) for m in pipe.execute()[-1])
+    pipe.set(keys.member(syncer), b"1", px=ttl_ms)
+    pipe.sadd(keys.members, syncer)
+    pipe.smembers(keys.members)
+    names = sorted(as_text(m) for m in pipe.execute()[-1])
+    alive = r.mget([keys.member(n) for n in names])
+    dead = [n for n, a in zip(names, alive, strict=True) if a is None]
+    if dead:
+        r.srem(keys.members, *dead)
+    return [n for n in names if n not in dead]
 
 
 def syncer_members(r: redis.Redis, keys: RunKeys) -> list[str]:
-    """The syncers sharing the run's fragments (alive by Redis's clock; read-only)."""
-    return sorted(as_text(m) for m in r.zrangebyscore(keys.members, redis_ms(r), "+inf"))
+    """The syncers sharing the run's fragments (their keys alive; read-only)."""
+    names = sorted(as_text(m) for m in r.smembers(keys.members))
+    if not names:
+        return []
+    alive = r.mget([keys.member(n) for n in names])
+    return [n for n, a in zip(names, alive, strict=True) if a is not None]
 
 
 def syncer_leave(r: redis.Redis, keys: RunKeys, syncer: str) -> None:
     """`syncer` stops: the others share its fragments at once."""
-    r.zrem(keys.members, syncer)
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.member(syncer))
+    pipe.srem(keys.members, syncer)
+    pipe.execute()
 
 
 def event(r: redis.Redis, keys: RunKeys, kind: str, pipe: redis.client.Pipeline | None = None,

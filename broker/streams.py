@@ -38,6 +38,15 @@ return 0
 """
 
 
+class NotDurable(redis.ConnectionError):
+    """A push that fewer replicas than asked acknowledged in time (``broker.wait_replicas``):
+    treated as not written, like a push to an unreachable server."""
+
+
+class RoundsLost(BrokerError):
+    """Redis lacks rounds this syncer committed (a failover or a restart lost them)."""
+
+
 class LeaseLost(BrokerError):
     """The fragment's lease is held by another syncer: this one must stop committing."""
 
@@ -52,19 +61,49 @@ class Entry:
 class FragmentStreams:
     """Redis stream operations of one run's fragments."""
 
-    def __init__(self, r: redis.Redis, keys: RunKeys, *, max_entries: int = 100_000):
+    def __init__(self, r: redis.Redis, keys: RunKeys, *, max_entries: int = 100_000,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000):
         self.r = r
         self.keys = keys
         self.max_entries = max_entries
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self._renew = r.register_script(_RENEW)
         self.cluster = isinstance(r, RedisCluster)
 
     # -- learner side ---------------------------------------------------------------------------
 
     def push(self, p: int, fields: Mapping[str, bytes | str | int]) -> str:
-        """XADD one contribution (bounded retention); returns the entry id."""
-        return as_text(self.r.xadd(self.keys.fragment(p).frags, dict(fields),
-                               maxlen=self.max_entries, approximate=True))
+        """XADD one contribution (bounded retention); returns the entry id.
+
+        With `wait_replicas` the XADD is followed, on the same connection, by ``WAIT
+        wait_replicas wait_timeout_ms``: the push counts as acknowledged only once that many
+        replicas hold it (a failover cannot lose it).
+
+        Raises:
+            NotDurable: fewer replicas acknowledged it in time (push it again: a duplicate is
+                deduped by the syncer).
+        """
+        key = self.keys.fragment(p).frags
+        if not self.wait_replicas:
+            return as_text(self.r.xadd(key, dict(fields), maxlen=self.max_entries,
+                                       approximate=True))
+        client = self.r
+        if self.cluster:  # WAIT counts this connection's writes: the slot's master, directly
+            client = self.r.get_redis_connection(self.r.get_node_from_key(key))
+        pipe = client.pipeline(transaction=False)
+        pipe.xadd(key, dict(fields), maxlen=self.max_entries, approximate=True)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        try:
+            entry_id, replicas = pipe.execute()
+        except redis.ResponseError as e:  # MOVED: the slot has a new master (a failover)
+            if self.cluster:
+                self.r.nodes_manager.initialize()
+            raise NotDurable(f"fragment {p}: push not written ({e})") from e
+        if int(replicas) < self.wait_replicas:
+            raise NotDurable(f"fragment {p}: push {as_text(entry_id)} reached {replicas} of "
+                             f"{self.wait_replicas} replicas within {self.wait_timeout_ms} ms")
+        return as_text(entry_id)
 
     def read_global(self, p: int) -> bytes | None:
         return self.r.get(self.keys.fragment(p).global_)
@@ -229,7 +268,8 @@ class FragmentStreams:
                      version: int, record: Mapping[str, str | int | float], ack_ids: list[str],
                      drop_sent_versions: Iterable[int] = (),
                      extra_sent: Mapping[int, bytes] | None = None,
-                     earlier_records: list[Mapping] | None = None) -> str:
+                     earlier_records: list[Mapping] | None = None,
+                     after: int | None = None) -> str:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
 
         A round writes its record, its acknowledgements and its published value (`snapshot`,
@@ -241,16 +281,25 @@ class FragmentStreams:
         Round records get the stream id ``<version>-0`` (``XRANGE …:rounds 12 12`` is round
         12), which makes a commit idempotent: re-committing a round whose record already exists
         (a retried EXEC, or a re-commit after Redis lost its last second) rewrites the same
-        values and skips the record. `earlier_records` re-adds records Redis lost.
+        values and skips the record. `earlier_records` re-adds records Redis lost. With `after`
+        (the version before this one) the commit checks that Redis holds that round's record
+        (or none at all for version 0): a round lost in a failover is not skipped over.
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
+            RoundsLost: Redis lacks the rounds before this one; nothing was written.
         """
         fk = self.keys.fragment(p)
         pipe = self.r.pipeline(transaction=True)
         try:
-            pipe.watch(fk.lease)
+            pipe.watch(fk.lease, fk.rounds)
             self._check_lease(pipe.get(fk.lease), owner, p)
+            if after is not None:
+                last = pipe.xrevrange(fk.rounds, "+", "-", count=1)
+                have = int(as_text(last[0][0]).split("-")[0]) if last else 0
+                if have < after:
+                    raise RoundsLost(f"fragment {p}: Redis holds rounds up to v{have}, the "
+                                     f"commit of v{version} follows v{after}")
             pipe.multi()
             if state is not None:
                 pipe.set(fk.state, state)

@@ -170,6 +170,11 @@ class BrokerConfig:
     # (`workers.recovery`). The stream keeps those rounds' entries whatever `keep_rounds` says.
     checkpoint_rounds: int = field(default=20, metadata=_rng(1, 10**6))
     checkpoint_s: float = field(default=120.0, metadata=_rng(0.0, 86_400.0))
+    # A learner's push counts as acknowledged once this many replicas of its Redis (cluster)
+    # master hold it (WAIT after the XADD, on the same connection; 0: the master's answer):
+    # with replicas, a failover then loses no acknowledged push
+    wait_replicas: int = field(default=0, metadata=_rng(0, 16))
+    wait_timeout_ms: int = field(default=1000, metadata=_rng(1, 600_000))
     archive_dir: str = ""  # archive fragment entries here (msgpack files) before trimming
     stream_max_entries: int = field(default=100_000, metadata=_rng(10, 10**9))
     snapshot_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 86_400.0))

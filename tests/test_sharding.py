@@ -63,7 +63,7 @@ def gone(r, keys, s: Syncer) -> None:
     """Syncer `s` died: its leases and its membership ran out (fast-forwarded)."""
     for p in s.owned:
         r.delete(keys.fragment(p).lease)
-    r.zrem(keys.members, s.cfg.syncer_id)
+    r.delete(keys.member(s.cfg.syncer_id))
 
 
 def push_round(r, keys, cfg, rnd: int, versions: dict[int, int]) -> list[tuple[int, str]]:

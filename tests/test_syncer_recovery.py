@@ -474,7 +474,7 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
             1, 2, 3, 4, 5]
         # the first syncer is gone: its leases and its membership have run out
         r.delete(fk.lease, keys.fragment(OTHER).lease)
-        r.zrem(keys.members, "syncer-0")
+        r.delete(keys.member("syncer-0"))
         with syncer_in_process(SyncerConfig(redis_url, run, "syncer-1")) as (b, _):
             b.start()
             second = b.frags[P].core

@@ -396,10 +396,10 @@ class Island:
         if self.net.redis_down:
             return DEFER
         fk = self.ctx.keys.fragment(p)
-        if self._quick is None:
-            self._quick = quick(self.ctx.r)
-        r = self._quick
         try:
+            if self._quick is None:  # a cluster client reads the slot map when it is built
+                self._quick = quick(self.ctx.r)
+            r = self._quick
             rec = registry.merged(r, self.ctx.keys, self.id, p)
             if rec is None or (rec.base_version, rec.step) != (f.base_version, f.step):
                 return None

@@ -75,7 +75,9 @@ class LearnerNet(threading.Thread):
         self.ctx = ctx
         self.id = learner_id
         self.bcfg = ctx.cfg.broker
-        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
+        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries,
+                                       wait_replicas=self.bcfg.wait_replicas,
+                                       wait_timeout_ms=self.bcfg.wait_timeout_ms)
         self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
                               max_bytes=self.bcfg.max_payload_bytes, curve=curve)
         self.outbox: queue.Queue = queue.Queue()

@@ -39,7 +39,7 @@ from broker.records import (
     SyncerInfo,
 )
 from broker.state import pack_state, unpack_state
-from broker.streams import Entry, FragmentStreams, LeaseLost
+from broker.streams import Entry, FragmentStreams, LeaseLost, RoundsLost
 from pipeline import kernels
 from pipeline.fragments import assign, fragment_sizes
 from pipeline.guard import fragment_prior
@@ -529,6 +529,8 @@ class Syncer:
                     log.warning("fragment %d: lease lost (this syncer stalled longer than "
                                 "broker.lease_ms?); another syncer serves it", p)
                     self._drop(p, release=False)
+            if self._behind():
+                self._resync()
             if self.auto:
                 self._rebalance(force=True)
             registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
@@ -603,10 +605,14 @@ class Syncer:
             self.streams.commit_round(
                 p, self.cfg.syncer_id, state=self._state_blob(f.core) if checkpoint else None,
                 snapshot=snapshot, version=result.version, record=record.to_fields(),
-                ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor))
+                ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor),
+                after=result.version - 1)
             if checkpoint:
                 f.ckpt_version, f.ckpt_t = result.version, time.monotonic()
             f.sent_floor = max(f.sent_floor, floor)
+        except RoundsLost as e:  # this round is in f.recent: re-committed with the lost ones
+            log.error("%s; re-committing", e)
+            self._resync()
         except LeaseLost:
             if self.streams.lease_holder(p) is not None:
                 raise  # another syncer owns the fragment now: this one stops
@@ -788,6 +794,20 @@ class Syncer:
                 if "NOGROUP" not in str(e):
                     raise
                 outage_since = outage_since or time.monotonic()  # the stream vanished: resync
+
+    def _behind(self) -> bool:
+        """Whether Redis lost rounds this syncer committed without it noticing an outage (a
+        failover to a replica that had not received them yet; an AOF restart the client's
+        retries hid): its last round record is older than this syncer's version."""
+        for p, f in self.frags.items():
+            if f.core.version == 0:
+                continue
+            v = recovery.committed_version(self.ctx.r, self.ctx.keys.fragment(p))
+            if v is None or v < f.core.version:
+                log.error("fragment %d: Redis holds rounds up to v%s, this syncer committed "
+                          "v%d", p, v, f.core.version)
+                return True
+        return False
 
     def _checkpoint_at_exit(self) -> None:
         """A last checkpoint of every fragment (a restart then replays nothing)."""

@@ -32,8 +32,8 @@ from broker.errors import BrokerError
 from broker.keys import RunKeys
 from broker.records import read_rounds
 from ops.chaos.ledger import account
-from ops.chaos.schedule import Fault
-from ops.cluster import RedisServer, Supervisor, TcpProxy, free_port, role_cmd
+from ops.chaos.schedule import NOT_ON_CLUSTER, Fault
+from ops.cluster import ClusterServers, RedisServer, Supervisor, TcpProxy, free_port, role_cmd
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
@@ -48,6 +48,7 @@ class ChaosRun:
     def __init__(self, cfg: RunConfig, run_dir: Path, run: str, *, seed: int = 0,
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
                  standby: bool = False, syncers: int = 1, eval_every_s: float = 0.0,
+                 redis_cluster: bool = False,
                  learner_args: dict[str, list[str]] | None = None):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
@@ -77,7 +78,8 @@ class ChaosRun:
         self.restore_cmds: dict[str, list[str]] = {}  # a syncer's command once its fault ends
         self.cut_proxies: dict[str, list[TcpProxy]] = {}  # a cut learner's proxies, to heal
         self.proxies: dict[str, list[TcpProxy]] = {}
-        self.redis: RedisServer | None = None
+        self.redis: RedisServer | ClusterServers | None = None
+        self.redis_cluster = redis_cluster  # a local 3-master/3-replica Redis Cluster
         self.duration_s = 0.0  # of the supervised part (set by supervise)
         self.gave_up: set[str] = set()
         self.max_crashes = 3
@@ -95,7 +97,8 @@ class ChaosRun:
     def start(self) -> None:
         for d in (self.state_dir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(workdir=self.run_dir / "redis").start()
+        self.redis = (ClusterServers(workdir=self.run_dir / "redis") if self.redis_cluster
+                      else RedisServer(workdir=self.run_dir / "redis")).start()
         self.sup = Supervisor(self.cfg, self.run, self.redis.url, self.run_dir)
         registry.store_config(self.r, self.keys, cfgmod.dumps_toml(self.cfg), self.cfg.run_hash(),
                               spec=stored_spec(self.cfg))
@@ -105,10 +108,14 @@ class ChaosRun:
                                          "--bind", f"tcp://127.0.0.1:{port}", cfg=self.cfg))
         for m in range(self.cfg.learners):
             name = f"L{m}"
-            rp = TcpProxy("127.0.0.1", self.redis.port)
             zps = [TcpProxy("127.0.0.1", port) for port in self.sync_ports.values()]
-            self.proxies[name] = [rp, *zps]
-            cmd = role_cmd("learner", f"redis://{rp.address}/0", self.run, "--id", name,
+            if self.redis_cluster:  # the cluster client reaches every node directly
+                url, rps = self.redis.url, []
+            else:
+                rp = TcpProxy("127.0.0.1", self.redis.port)
+                url, rps = f"redis://{rp.address}/0", [rp]
+            self.proxies[name] = [*rps, *zps]
+            cmd = role_cmd("learner", url, self.run, "--id", name,
                            "--state-dir", str(self.state_dir), "--pace-s", str(self.pace_s),
                            "--delay-s", str(self.delays_s.get(name, 0.0)), cfg=self.cfg)
             for zp in zps:
@@ -152,7 +159,7 @@ class ChaosRun:
             self.paused[target] = now + f.down_s
         elif f.kind in ("partition-learner", "cut-zmq-learner"):
             proxies = self.proxies[target] if f.kind == "partition-learner" else \
-                self.proxies[target][1:]
+                self.proxies[target][-len(self.sync_ports):]
             for px in proxies:
                 px.cut()
             self.cut[target] = now + f.down_s
@@ -170,12 +177,22 @@ class ChaosRun:
         elif f.kind == "kill-redis":
             self.redis.kill()
             self.down["redis"] = now + f.down_s
+        elif f.kind == "kill-redis-master":  # its replica is promoted; it comes back as one
+            key = self.keys.fragment(int(target or 1)).frags
+            node = self.r.get_node_from_key(key)
+            i = next(i for i, n in enumerate(self.redis.nodes) if n.port == node.port)
+            rec["node"] = i
+            self.redis.kill(i)
+            self.down[f"redis-node:{i}"] = now + f.down_s
 
     def _recover(self, now: float) -> None:
         for name, t in list(self.down.items()):
             if now < t:
                 continue
-            if name == "redis":
+            if name.startswith("redis-node:"):
+                self.redis.restart(int(name.split(":")[1]))
+                self._event("recover", target=name)
+            elif name == "redis":
                 self.redis.start()
                 self.sup.r.close()
                 self.sup.r = connect(self.redis.url)
@@ -256,6 +273,11 @@ class ChaosRun:
         after every learner has taken a step; `progress` is called about once a second with
         the harness and the seconds since then."""
         self.duration_s = duration_s
+        cannot = NOT_ON_CLUSTER if self.redis_cluster else ("kill-redis-master",)
+        refused = sorted({f.kind for f in schedule if f.kind in cannot})
+        if refused:
+            need = "a standalone Redis" if self.redis_cluster else "a Redis Cluster"
+            raise ValueError(f"faults {', '.join(refused)} need {need}")
         self.wait_until_training()
         todo = list(schedule)
         next_eval = next_progress = self.t0

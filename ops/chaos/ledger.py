@@ -71,6 +71,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     guard: set[Key] = set()  # refused by the poison guard (tokens, norm) or a refused round
     duplicated = 0
     dead: set[Key] = set()
+    deduped: set[Key] = set()
     round_times: list[float] = []
     useful_s = 0.0
     contributed: dict[str, list[float]] = defaultdict(list)
@@ -99,6 +100,12 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
             for entry_id, reason in rec.dropped:
                 if reason.kind is Drop.DUPLICATE:
                     duplicated += 1
+                    # the syncer dedupes only a push it has seen (merged or refused) before:
+                    # an earlier copy, maybe written by an XADD whose answer never came back
+                    # (and trimmed since), accounted for this push
+                    k = _key_of(r, keys, p, entry_id, id_key)
+                    if k is not None:
+                        deduped.add(k)
                     continue
                 k = _key_of(r, keys, p, entry_id, id_key)
                 if k is not None:
@@ -119,12 +126,13 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 kind = Reason.of(as_text(f[b"reason"])).kind
                 if kind is Drop.DUPLICATE:
                     duplicated += 1
+                    deduped.add(k)
                 else:
                     (dropped_stale if kind is Drop.STALE else dropped_other).add(k)
                     if kind in _GUARD:
                         guard.add(k)
     t_end = max([t_end, *round_times])  # the final flush merges work done before the stop
-    accounted = merged | dropped_stale | dropped_other | dead
+    accounted = merged | dropped_stale | dropped_other | dead | deduped
     lost = sorted(acked - accounted)
     wall = max(t_end - t_start, 1e-9)
     windows = max(1, int(np.ceil(wall / window_s)))

@@ -13,7 +13,11 @@ import numpy as np
 from pipeline import config as cfgmod
 
 KINDS = ("kill-learner", "pause-learner", "kill-syncer", "kill-syncer-after-commit",
-         "takeover", "kill-redis", "partition-learner", "cut-zmq-learner")
+         "takeover", "kill-redis", "kill-redis-master", "partition-learner", "cut-zmq-learner")
+# what a run on a Redis Cluster cannot do: its learners reach the nodes directly (no proxy to
+# cut), and one server to kill is a master (kill-redis-master: target = the fragment whose
+# slot's master dies, default 1)
+NOT_ON_CLUSTER = ("kill-redis", "partition-learner")
 
 
 @dataclass(frozen=True)

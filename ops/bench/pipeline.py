@@ -8,7 +8,8 @@ Each one measures its ratio side by side in one run on this machine:
 * memory — the syncer's peak RSS with 4 vs 64 synthetic pushers on the same fragment size;
 * latency — from the last needed contribution's XADD to the subscriber receiving the merged
   value, p50/p99, for ~4 MB fragments;
-* recovery — a successor syncer's start against the rounds since the last checkpoint.
+* recovery — a successor syncer's start against the rounds since the last checkpoint;
+* cluster — the same syncer work on one redis-server and on a local Redis Cluster.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from broker.keys import RunKeys
 from broker.pubsub import Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
-from ops.cluster import RedisServer, SecureSetup, store_run_config
+from ops.cluster import ClusterServers, RedisServer, SecureSetup, store_run_config
 from pipeline import config as cfgmod
 from pipeline import kernels, quant
 from pipeline.config import RunConfig
@@ -173,6 +174,66 @@ def _frag_params(cfg: RunConfig, p: int) -> int:
     shapes = task.param_shapes()
     names = partition(shapes, cfg.effective_sync().fragments, task.is_embedding)[p]
     return int(sum(np.prod(shapes[n]) for n in names))
+
+
+# -- one redis-server vs a Redis Cluster, the same syncer work -------------------------------
+
+def bench_cluster(quick: bool = False) -> dict:
+    """A syncer serving every fragment of the 1M-parameter model (5 fragments, 4 learners, int4
+    entries, a round per 4 entries with commits) on one redis-server and on a local Redis
+    Cluster (3 masters with a replica each, the fragments' slots spread over them), side by
+    side in one run; AOF everysec on every server. ``syncer_mb_s``: entries' wire bytes merged
+    per second."""
+    reps = 2 if quick else 3
+    n_rounds = 3 if quick else 8
+    out: dict = {"bench": "cluster", "learners": 4, "rounds_per_pass": n_rounds, "reps": reps}
+    for kind in ("standalone", "cluster"):
+        out[kind] = _all_fragments_pass(kind, n_rounds, reps)
+    out["ratio_cluster_vs_standalone"] = (out["cluster"]["syncer_mb_s"]
+                                          / out["standalone"]["syncer_mb_s"])
+    return out
+
+
+def _all_fragments_pass(kind: str, n_rounds: int, reps: int, M: int = 4) -> dict:
+    cfg = cfgmod.from_dict({**BIG, "learners": M,
+                            "sync": {**BIG["sync"], "quorum": M, "codec_up": "int4"}})
+    n_frags = cfg.effective_sync().fragments
+    with contextlib.ExitStack() as stack:
+        server = ClusterServers() if kind == "cluster" else RedisServer()
+        stack.enter_context(server)
+        store_run_config(server.url, "bench", cfg)
+        ctx = open_run(server.url, "bench")
+        stack.callback(ctx.r.close)
+        zctx = zmq.Context()
+        stack.callback(zctx.term)
+        syncer = Syncer(SyncerConfig(server.url, "bench"), ctx, zctx)
+        stack.callback(syncer.pub.close)
+        syncer.start()
+        if syncer.owned != list(range(n_frags)):
+            raise RuntimeError(f"the syncer owns {syncer.owned}")
+        for m in range(M):
+            registry.heartbeat(ctx.r, ctx.keys, f"L{m}", Heartbeat(step_s=1.0), ttl_s=3600)
+        streams = FragmentStreams(ctx.r, ctx.keys)
+        payloads = {p: [_fragment_delta(cfg, p, seed) for seed in range(M)]
+                    for p in range(n_frags)}
+        wire = {p: [len(codec.pack_tensors(t)) for t in payloads[p]] for p in range(n_frags)}
+        rates = []
+        for rep in range(reps):
+            start = {p: f.core.version for p, f in syncer.frags.items()}
+            total = 0
+            for rnd in range(n_rounds):
+                for p in range(n_frags):
+                    for m in range(M):
+                        streams.push(p, entry(cfg, f"L{m}", p, start[p] + rnd,
+                                              1000 * rep + rnd + 1, payloads[p][m]))
+                        total += wire[p][m]
+            t0 = time.perf_counter()
+            while any(syncer.frags[p].core.version < start[p] + n_rounds
+                      for p in range(n_frags)):
+                syncer.poll_once()
+            rates.append(total / 1e6 / (time.perf_counter() - t0))
+    return {"server": kind, "fragments": n_frags, "syncer_mb_s": statistics.median(rates),
+            "passes": rates}
 
 
 # -- recovery after a syncer dies, vs rounds since its last checkpoint --------------------------

@@ -1,5 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|security|
-step|s1|s2|poison|lab`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|cluster|
+security|step|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -25,6 +25,8 @@ _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on 
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
              ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"),
+             ("cluster", pipeline.bench_cluster,
+              "one redis-server vs a local Redis Cluster, the same syncer work"),
              ("recovery", pipeline.bench_recovery,
               "a successor syncer's start vs rounds since the last checkpoint"),
              ("security", pipeline.bench_security,

@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start a second syncer (the two share the fragments; as --syncers 2)")
     p.add_argument("--syncers", type=int, default=1, metavar="N",
                    help="syncer processes sharing the fragments (default 1)")
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="run on a local Redis Cluster (3 masters, 1 replica each) instead of "
+                        "one redis-server; fault kill-redis-master (target: the fragment whose "
+                        "slot's master dies)")
     p.add_argument("--out", default="runs")
     p.add_argument("--run", default=None)
     p.add_argument("--json", action="store_true")
@@ -58,6 +62,7 @@ def _cli(args: argparse.Namespace) -> int:
                       title=f"chaos {run}: M={cfg.learners}") as view:
             rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
                             pace_s=args.pace_s, standby=args.standby, syncers=args.syncers,
+                            redis_cluster=args.redis_cluster,
                             progress=chaos_view(view))
     except (ValueError, OSError) as e:  # no redis-server, an unwritable --out, too few tensors
         return fail_on(e)
@@ -66,7 +71,8 @@ def _cli(args: argparse.Namespace) -> int:
         print_json({k: v for k, v in rep.items() if k != "history"})
     else:
         for k in ("pushes_attempted", "pushes_acked", "merged", "dropped_stale",
-                  "dead_lettered", "duplicated", "lost", "rounds", "availability", "goodput",
+                  "dead_lettered", "duplicated", "lost", "merged_twice", "rounds",
+                  "availability", "goodput",
                   "rejoin_s_p50", "rejoin_s_max"):
             print(f"{k:18s} {rep[k]}")
         print(f"faults injected: {len(rep['faults'])}; report in {run_dir / 'chaos.json'}")

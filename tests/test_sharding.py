@@ -23,6 +23,7 @@ from helpers_broker import (
 
 from broker import registry
 from broker.connection import connect
+from ops.tools import status
 from ops.tools.replay import replay
 from pipeline.fragments import assign
 from workers.common import open_run
@@ -121,6 +122,10 @@ def test_syncers_share_hand_over_take_over_and_give_back(r, redis_url):
         assert a.owned and b.owned
         assert owners(r, keys) == {p: s for s, ps in want.items() for p in ps}
         assert registry.syncer_members(r, keys) == ["syncer-a", "syncer-b"]
+        st = status.collect(redis_url, run)  # who owns what, as `diloco status` shows it
+        assert st["syncer_members"] == ["syncer-a", "syncer-b"]
+        assert {n: rec["fragments"] for n, rec in st["syncers"].items()} == want
+        assert {f["fragment"]: f["lease"] for f in st["fragments"]} == owners(r, keys)
 
         # a round of every fragment, each closed by its owner
         push_round(r, keys, cfg, 0, versions([a, b]))

@@ -305,6 +305,7 @@ class Syncer:
         closed = self._closed()
         mine = set(assign({p: n for p, n in self.sizes.items() if p not in closed},
                           members).get(me, ()))
+        before = list(self.owned)
         for p in list(self.owned):
             f = self.frags[p]
             if p in mine or f.finished:
@@ -323,6 +324,8 @@ class Syncer:
             registry.event(self.ctx.r, self.ctx.keys, "rebalance", syncer=me, took=got,
                            owns=self.owned, syncers=members)
         self.phase = "active" if self.owned else "standing by"
+        if self.owned != before:  # `diloco status` shows who owns what
+            registry.register_syncer(self.ctx.r, self.ctx.keys, me, self._info())
 
     def run_finished(self) -> bool:
         """True when the run is over: every learner has its final report and the final rounds

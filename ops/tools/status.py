@@ -38,6 +38,7 @@ def collect(redis_url: str, run: str) -> dict:
     ctx = open_run(redis_url, run, wait_s=0, verify=False)
     r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
     live = registry.live_learners(r, keys)
+    members = registry.syncer_members(r, keys)
     learners = {}
     for name, hb in sorted(registry.learner_records(r, keys).items()):
         learners[name] = {"live": name in live, "last_heartbeat_age_s": time.time() - hb.t,
@@ -76,7 +77,10 @@ def collect(redis_url: str, run: str) -> dict:
     return {
         "run": run, "config_hash": run_hash, "mode": cfg.mode, "learners_expected": cfg.learners,
         "live_learners": sorted(live), "learners": learners,
-        "syncers": {k: v.to_dict() for k, v in registry.syncer_records(r, keys).items()},
+        "syncers": {k: {**v.to_dict(), "member": k in members}
+                    for k, v in registry.syncer_records(r, keys).items()},
+        # the syncers sharing the fragments now (started without --fragments, alive)
+        "syncer_members": members,
         "fragments": fragments,
         "rounds": sum(f["rounds"] for f in fragments),
         "done": registry.done_names(r, keys),
@@ -94,8 +98,10 @@ def render(rep: dict) -> str:
                      f"lag {rec.get('version_lag')} "
                      f"heartbeat {rec['last_heartbeat_age_s']:.1f} s ago")
     for name, rec in rep["syncers"].items():
-        lines.append(f"  {name:10s} fragments {rec.get('fragments')} rounds {rec.get('rounds')} "
-                     f"endpoint {rec.get('endpoint')} last: {rec.get('last_reason')}")
+        share = " (sharing)" if rec.get("member") else ""
+        lines.append(f"  {name:10s} fragments {rec.get('fragments')}{share} rounds "
+                     f"{rec.get('rounds')} endpoint {rec.get('endpoint')} "
+                     f"last: {rec.get('last_reason')}")
     for f in rep["fragments"]:
         lines.append(f"  fragment {f['fragment']}: v{f['version']} stream {f['stream_length']} "
                      f"pending {f['pending']} lag {f['lag']} dlq {f['dlq_length']} "

@@ -42,6 +42,13 @@ _DATA = ["+@read", "+@write", "+@stream", "+@hash", "+@string", "+@keyspace",
          "+@transaction", "-@dangerous", "-@admin", "-function"]
 
 
+# A Redis Cluster's slot map and state, which every client reads to find the node of a key
+# (read-only; a standalone server answers them with an error): the roles work on a cluster.
+# And the server's clock (`diloco inspect` measures ages against it).
+_TOPOLOGY = ["+cluster|info", "+cluster|slots", "+cluster|shards", "+cluster|nodes",
+             "+cluster|myid", "+time"]
+
+
 def user_name(run: str, role: str) -> str:
     """The ACL user of `role` in `run` (``diloco-<run>-<role>``)."""
     return f"diloco-{check_run_name(run)}-{role}"
@@ -82,9 +89,9 @@ def selectors(run: str, role: str) -> list[str]:
 
 def rules(run: str, role: str) -> list[str]:
     """Every rule of `role` after its password: on, reset, commands, keys, no channels."""
-    commands = (["-@all", "+@connection", "+@read", "-@dangerous", "-@admin"]
+    commands = (["-@all", "+@connection", "+@read", "-@dangerous", "-@admin", *_TOPOLOGY]
                 if role == "reader" else
-                ["-@all", "+@connection", *_DATA, *(
+                ["-@all", "+@connection", *_DATA, *_TOPOLOGY, *(
                     # the lease script (EVALSHA, loaded by SCRIPT LOAD); not @scripting, which
                     # holds server-wide SCRIPT FLUSH and FUNCTION DELETE
                     ["+eval", "+evalsha", "+script|load"] if role in ("syncer", "operator")
@@ -115,6 +122,38 @@ class RoleUser:
         auth = f"{urllib.parse.quote(self.name, safe='')}:" \
                f"{urllib.parse.quote(self.password, safe='')}@"
         return urllib.parse.urlunsplit((parts.scheme, auth + host, parts.path, parts.query, ""))
+
+
+def apply(r, run: str, users: list[RoleUser]) -> list[str]:
+    """Create (or reset) the users on `r`'s server — on every node, primaries and replicas
+    (from ``CLUSTER NODES``), when `r` is a Redis Cluster client: each node keeps its own
+    users, and a replica promoted by a failover must know them. Returns the nodes written
+    (``host:port``; one entry ``""`` for a standalone server)."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    if not isinstance(r, RedisCluster):
+        for u in users:
+            r.execute_command(*u.setuser(run))
+        return [""]
+    kw = {k: v for k, v in r.nodes_manager.connection_kwargs.items()
+          if k not in ("host", "port", "retry", "retry_on_error")}
+    raw = r.execute_command("CLUSTER", "NODES")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    done = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3 or "fail" in parts[2].split(",") or "noaddr" in parts[2]:
+            continue
+        host, _, port = parts[1].split("@")[0].rpartition(":")
+        node = redis.Redis(host=host, port=int(port), **kw)
+        try:
+            for u in users:
+                node.execute_command(*u.setuser(run))
+        finally:
+            node.close()
+        done.append(f"{host}:{port}")
+    return done
 
 
 def new_users(run: str) -> list[RoleUser]:

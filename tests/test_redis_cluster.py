@@ -103,3 +103,49 @@ def test_a_master_killed_mid_run_fails_over_and_nothing_acknowledged_is_lost(tmp
     assert fault["kind"] == "kill-redis-master" and "node" in fault
     # rounds of fragment 1 went on after the failover
     assert rep["rounds"] > 0 and rep["merged"] > 0
+
+
+def test_the_run_roles_work_on_every_node_and_the_tools_read_the_cluster(cluster, tmp_path):
+    """`diloco acl --apply` through a cluster client sets the users on every node; a role's
+    URL of any node reaches the whole cluster with the role's rights (and no more); status and
+    inspect read a run there."""
+    from broker import acl
+    from broker.streams import FragmentStreams
+    from ops.tools import inspect as inspect_tool
+    from ops.tools import status
+
+    run = "onc"  # the run of the test above (module-scoped cluster)
+    admin = connect(cluster.url)
+    users = {u.role: u for u in acl.new_users(run)}
+    try:
+        acl.apply(admin, run, list(users.values()))  # on every node
+        for node in cluster.nodes:  # each node knows the users
+            c = connect(node.url)
+            try:
+                names = set()
+                for n in (c.get_nodes() if isinstance(c, RedisCluster) else [c]):
+                    names |= {x if isinstance(x, str) else x.decode()
+                              for x in c.get_redis_connection(n).acl_users()}
+                assert {u.name for u in users.values()} <= names
+            finally:
+                c.close()
+    finally:
+        admin.close()
+    keys = RunKeys(run)
+    learner = connect(users["learner"].url(cluster.nodes[4].url))
+    reader = connect(users["reader"].url(cluster.nodes[2].url))
+    try:
+        assert isinstance(learner, RedisCluster) and isinstance(reader, RedisCluster)
+        FragmentStreams(learner, keys).push(3, {"probe": b"1"})  # a learner may XADD
+        with pytest.raises(Exception, match="NOPERM|permission"):
+            reader.set(keys.stop, b"1")
+        with pytest.raises(Exception, match="NOPERM|permission"):
+            learner.get(keys.fragment(3).state)  # not a learner's key
+    finally:
+        learner.close()
+        reader.close()
+    st = status.collect(users["reader"].url(cluster.url), run)
+    assert [f["fragment"] for f in st["fragments"]] == [0, 1, 2, 3]
+    assert all(f["version"] and f["rounds"] for f in st["fragments"])
+    got = inspect_tool.collect(users["reader"].url(cluster.url), run, fragment=1, limit=2)
+    assert got is not None

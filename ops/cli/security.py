@@ -62,11 +62,11 @@ def _acl(args: argparse.Namespace) -> int:
     if args.apply:
         try:
             r = connect(args.redis_url)
-            for u in users:
-                r.execute_command(*u.setuser(run))
+            acl.apply(r, run, users)
         except (redis.RedisError, ValueError) as e:
             return fail_on(e)
-        print(f"# applied to {redact(args.redis_url)}; run ACL SAVE there if it uses an aclfile")
+        print(f"# applied to {redact(args.redis_url)} (every node of a cluster); run ACL SAVE "
+              f"there if it uses an aclfile")
     print(f"# role URLs written to {out}/{{{','.join(acl.ROLES)}}}.url (mode 600), the users "
           f"as an aclfile to {out}/users.acl")
     return 0

@@ -42,7 +42,10 @@ def id_ms(entry_id: str) -> int:
 
 def redis_time_s(r: redis.Redis) -> float:
     """Redis server time (unix seconds): ages are measured against it, not the local clock."""
-    sec, usec = r.time()
+    got = r.time()
+    if isinstance(got, dict):  # a cluster client asked several nodes: any one will do
+        got = next(iter(got.values()))
+    sec, usec = got
     return float(sec) + float(usec) / 1e6
 
 

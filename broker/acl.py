@@ -11,15 +11,17 @@ learner    append to the run's fragment streams with XADD only (and read them ba
            Nothing else: no syncer state, leases, round records, dead letters, configuration
            writes, or any key of another run.
 syncer     every fragment key of the run (streams, consumer group, state, global values,
-           snapshots, rounds, dead letters, leases), the syncer endpoints, events, end-of-run
-           reports, refusals and merge records; read the configuration, heartbeats and
-           stop/finish flags.
+           snapshots, rounds, dead letters, leases), the syncer endpoints and membership,
+           events, end-of-run reports, refusals and merge records; read the configuration,
+           heartbeats and stop/finish flags.
 reader     read every key of the run (``status``, ``inspect``, ``replay``, ``export``, ``plot``).
 operator   every key of the run (``init``, ``stop``, ``finish``, deleting a run).
 =========  ===================================================================================
 
 Every role gets the data commands only (no ``@admin``, no ``@dangerous``: no CONFIG, FLUSHALL,
-KEYS, DEBUG, ACL …), and no Pub/Sub channels. Limits of Redis ACLs, stated: a hash is one key,
+KEYS, DEBUG, ACL …), read-only views of a Redis Cluster's slot map (``CLUSTER
+INFO|SLOTS|SHARDS|NODES|MYID``: what a cluster client reads) and ``TIME``, and no Pub/Sub
+channels. On a cluster, `apply` writes the users to every node. Limits of Redis ACLs, stated: a hash is one key,
 so a learner allowed to write its heartbeat in the shared ``learners`` hash can write another
 learner's field too (records are validated when read, and the heartbeat is what the learner
 itself declares); a learner may append entries in another learner's name to the run's streams

@@ -56,10 +56,11 @@ def test_a_plain_url_of_any_node_gives_a_cluster_client(cluster, redis_url):
 
 
 def test_a_run_on_the_cluster_equals_the_inprocess_engine_and_replays(cluster, tmp_path):
-    """Two learners, four fragments (spread over the three masters), K = M, strict: the run's
-    final values equal the in-process engine's bit for bit, and replay verifies every round."""
-    cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 40,
-                            "sync": {**TINY["sync"], "quorum": 2, "strict": True}})
+    """Three learners, four fragments (spread over the three masters), K = M, strict: the
+    learners end on identical values, which equal the in-process engine's bit for bit, and
+    replay verifies every round."""
+    cfg = cfgmod.from_dict({**TINY, "learners": 3, "steps": 40,
+                            "sync": {**TINY["sync"], "quorum": 3, "strict": True}})
     path = tmp_path / "run.toml"
     path.write_text(cfgmod.dumps_toml(cfg))
     out = subprocess.run(
@@ -68,6 +69,7 @@ def test_a_run_on_the_cluster_equals_the_inprocess_engine_and_replays(cluster, t
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     s = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(s["learner_hashes"]) == ["L0", "L1", "L2"]
     assert len({json.dumps(h, sort_keys=True) for h in s["learner_hashes"].values()}) == 1
     dist, _ = load_checkpoint(tmp_path / "runs" / "onc" / "checkpoint.npz")
     engine = Engine(cfg, run_corpus(cfg))

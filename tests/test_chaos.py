@@ -58,13 +58,7 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
 
 @pytest.mark.slow
 def test_redis_killed_and_restarted(tmp_path):
-    rep = chaos(tmp_path, [Fault(12, "kill-redis", "", 3)], 30)
-    check(rep)
-
-
-@pytest.mark.slow
-def test_standby_syncer_takes_over(tmp_path):
-    rep = chaos(tmp_path, [Fault(12, "takeover", "", 1)], 32, standby=True)
+    rep = chaos(tmp_path, [Fault(10, "kill-redis", "", 3)], 25)
     check(rep)
 
 
@@ -72,7 +66,7 @@ def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
     """Three syncers started without a fragment list share 8 fragments; one is SIGKILLed for
     good mid-run and the other two take its fragments over (within its lease), claim what it
     had read and never committed, and finish the run: nothing lost, nothing merged twice."""
-    rep = chaos(tmp_path, [Fault(14, "takeover", "syncer-1", 1)], 30, syncers=3,
+    rep = chaos(tmp_path, [Fault(10, "takeover", "syncer-1", 1)], 24, syncers=3,
                 sync={"fragments": 8, "sync_every": 16})
     check(rep)
     by = rep["rounds_by_syncer"]
@@ -83,19 +77,19 @@ def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_syncer_killed_between_commit_and_publish(tmp_path):
-    rep = chaos(tmp_path, [Fault(12, "kill-syncer-after-commit", "", 1)], 30)
+def test_syncer_killed_after_commit_and_lost_zmq_messages(tmp_path):
+    """A syncer killed between its commit and its publish (its restart dies the same way once
+    more), then one learner's ZeroMQ cut for 5 s: both repaired (re-publish on restart; the
+    snapshot after snapshot_timeout_s)."""
+    rep = chaos(tmp_path, [Fault(8, "kill-syncer-after-commit", "", 1),
+                           Fault(15, "cut-zmq-learner", "L1", 5)], 28)
     check(rep)
-
-
-@pytest.mark.slow
-def test_lost_zmq_messages_repaired_from_snapshot(tmp_path):
-    rep = chaos(tmp_path, [Fault(12, "cut-zmq-learner", "L1", 5)], 30)
-    check(rep)
+    assert [f["kind"] for f in rep["faults"]] == ["kill-syncer-after-commit",
+                                                  "cut-zmq-learner"]
 
 
 @pytest.mark.slow
 def test_long_pause_makes_contributions_stale(tmp_path):
     over = {"sync": {**TINY["sync"], "max_staleness": 1}}
-    rep = chaos(tmp_path, [Fault(12, "pause-learner", "L1", 6)], 32, **over)
+    rep = chaos(tmp_path, [Fault(10, "pause-learner", "L1", 6)], 27, **over)
     check(rep)

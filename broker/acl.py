@@ -21,11 +21,13 @@ operator   every key of the run (``init``, ``stop``, ``finish``, deleting a run)
 Every role gets the data commands only (no ``@admin``, no ``@dangerous``: no CONFIG, FLUSHALL,
 KEYS, DEBUG, ACL …), read-only views of a Redis Cluster's slot map (``CLUSTER
 INFO|SLOTS|SHARDS|NODES|MYID``: what a cluster client reads) and ``TIME``, and no Pub/Sub
-channels. On a cluster, `apply` writes the users to every node. Limits of Redis ACLs, stated: a hash is one key,
-so a learner allowed to write its heartbeat in the shared ``learners`` hash can write another
-learner's field too (records are validated when read, and the heartbeat is what the learner
-itself declares); a learner may append entries in another learner's name to the run's streams
-(signed contributions, not ACLs, are what stops that).
+channels. On a cluster, `apply` writes the users to every node.
+
+Limits of Redis ACLs, stated: a hash is one key, so a learner allowed to write its heartbeat
+in the shared ``learners`` hash can write another learner's field too (records are validated
+when read, and the heartbeat is what the learner itself declares); a learner may append
+entries in another learner's name to the run's streams (signed contributions, not ACLs, are
+what stops that).
 """
 
 from __future__ import annotations

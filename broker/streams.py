@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
 from broker.errors import BrokerError
 from broker.ids import as_text, id_key
@@ -26,6 +27,8 @@ from broker.keys import GROUP, RunKeys
 
 Fields = dict[bytes, bytes]
 
+# a cluster's answers while a slot changes master (a failover): not a refusal
+_SLOT_MOVING = (MovedError, AskError, TryAgainError, ClusterDownError)
 # a syncer on a Redis Cluster polls its fragments' streams this often when all are idle
 CLUSTER_IDLE_MS = 10
 
@@ -88,17 +91,24 @@ class FragmentStreams:
         if not self.wait_replicas:
             return as_text(self.r.xadd(key, dict(fields), maxlen=self.max_entries,
                                        approximate=True))
-        client = self.r
-        if self.cluster:  # WAIT counts this connection's writes: the slot's master, directly
-            client = self.r.get_redis_connection(self.r.get_node_from_key(key))
-        pipe = client.pipeline(transaction=False)
-        pipe.xadd(key, dict(fields), maxlen=self.max_entries, approximate=True)
-        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
         try:
+            client = self.r
+            if self.cluster:  # WAIT counts this connection's writes: the slot's master
+                client = self.r.get_redis_connection(self.r.get_node_from_key(key))
+            pipe = client.pipeline(transaction=False)
+            pipe.xadd(key, dict(fields), maxlen=self.max_entries, approximate=True)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
             entry_id, replicas = pipe.execute()
-        except redis.ResponseError as e:  # MOVED: the slot has a new master (a failover)
-            if self.cluster:
-                self.r.nodes_manager.initialize()
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+            moved = isinstance(e, _SLOT_MOVING) or str(e).split(" ", 1)[0] in (
+                "MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+            if isinstance(e, redis.ResponseError) and not moved:
+                raise  # a real refusal (NOPERM, …), not an outage
+            if self.cluster:  # the slot's master died or moved: read the slot map again
+                try:
+                    self.r.nodes_manager.initialize()
+                except Exception:  # noqa: BLE001 - no node answers yet: the next try asks
+                    pass
             raise NotDurable(f"fragment {p}: push not written ({e})") from e
         if int(replicas) < self.wait_replicas:
             raise NotDurable(f"fragment {p}: push {as_text(entry_id)} reached {replicas} of "
@@ -329,16 +339,23 @@ class FragmentStreams:
     def checkpoint(self, p: int, owner: str, *, state: bytes, version: int,
                    drop_sent_versions: Iterable[int] = ()) -> None:
         """Write the fragment's full state at its committed `version` outside a round (the
-        end of a run), fenced by the lease.
+        end of a run, a hand-over), fenced by the lease; Redis must hold that version's round
+        record (a checkpoint ahead of the rounds stream could not be recovered from).
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
+            RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
         pipe = self.r.pipeline(transaction=True)
         try:
-            pipe.watch(fk.lease)
+            pipe.watch(fk.lease, fk.rounds)
             self._check_lease(pipe.get(fk.lease), owner, p)
+            last = pipe.xrevrange(fk.rounds, "+", "-", count=1)
+            have = int(as_text(last[0][0]).split("-")[0]) if last else 0
+            if have < version:
+                raise RoundsLost(f"fragment {p}: Redis holds rounds up to v{have}, the "
+                                 f"checkpoint is of v{version}")
             pipe.multi()
             pipe.set(fk.state, state)
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]

@@ -79,6 +79,7 @@ class _Round:
     anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     norms: list[tuple[float, int, float | None]] = field(default_factory=list)  # ‖δ‖, steps, bound
     clipped: list[str] = field(default_factory=list)  # entry ids scaled down by the guard
+    keys: set[tuple[str, int, int]] = field(default_factory=set)  # dedupe keys first seen here
 
 
 def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int,
@@ -220,6 +221,7 @@ class FragmentSyncer:
             reason = Reason(Drop.TOKENS, f"tokens {c.tokens} exceed {c.steps} steps × "
                             f"{max_tokens_per_step} tokens per step")
         self.seen.add(c.key)
+        self._round.keys.add(c.key)
         if reason:
             if reason.kind is Drop.TOKENS:
                 self.suspects.add(c.learner)
@@ -378,7 +380,10 @@ class FragmentSyncer:
             "theta": self.theta,
             "momentum": [np.asarray(x) for x in leaves],
             "history": {str(v): h for v, h in self.history.items()},
-            "seen": sorted([list(k) for k in self.seen]),
+            # as of the last close: a state written while a round is open (a checkpoint at a
+            # hand-over or an exit) must not make its successor refuse that round's entries,
+            # which it merges again, as duplicates
+            "seen": sorted([list(k) for k in self.seen - self._round.keys]),
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
         }

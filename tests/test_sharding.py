@@ -184,3 +184,49 @@ def test_a_syncer_with_a_fragment_list_stands_by_as_before(r, redis_url):
             s.streams.release_lease(p, "syncer-f")
         ctx.r.close()
         zctx.term()
+
+
+def test_a_hand_over_mid_round_loses_none_of_the_round_and_a_lost_lease_drops_quietly(
+        r, redis_url):
+    """A fragment handed over while its round is open: the checkpoint written at the hand-over
+    holds the dedupe keys of the last close only, so the new owner merges the open round's
+    entries it claims (they are not duplicates). And a sharing syncer whose commit meets a
+    lease another syncer holds lets the fragment go instead of stopping."""
+    cfg = tiny_config(sync={"fragments": N_FRAGS, "quorum": 2, "grace_max_s": 0.0},
+                      broker={"block_ms": 20, "checkpoint_s": 0.0})
+    run = "midround"
+    keys = store_run(r, run, cfg)
+    p = 1
+    with syncers() as make:
+        a = make(redis_url, run, "syncer-a")
+        a.start()
+        push_round(r, keys, cfg, 0, versions([a]))
+        poll_until([a], lambda: set(versions([a]).values()) == {1})
+        # L0's next push opens a round; L1's has not come yet
+        first = push(r, keys, p, contribution_fields("L0", p, make_delta(cfg, p, 7),
+                                                     base_version=1, step=50))
+        poll_until([a], lambda: bool(a.frags[p].core.contributors))
+        a._drop(p, release=True)  # the hand-over: a checkpoint at v1, then the lease
+        assert p not in a.owned and r.get(keys.fragment(p).lease) is None
+        b = make(redis_url, run, "syncer-b")
+        b._next_lease = float("inf")  # driven by hand here: no lease renewal, no rebalance
+        b.streams.acquire_lease(p, "syncer-b", 10_000)
+        b._adopt([p])  # claims L0's entry from a and merges it
+        assert b.frags[p].core.contributors == frozenset({"L0"})
+        second = push(r, keys, p, contribution_fields("L1", p, make_delta(cfg, p, 8),
+                                                      base_version=1, step=50))
+        poll_until([b], lambda: b.frags[p].core.version == 2)
+        rec = rounds_records(r, keys.fragment(p))[-1]
+        assert sorted(row[0] for row in rec["included"]) == sorted([first, second])
+        assert xpending_count(r, keys.fragment(p)) == 0
+        # a commit that meets another syncer's lease: b lets the fragment go, and lives on
+        push(r, keys, p, contribution_fields("L0", p, make_delta(cfg, p, 9), base_version=2,
+                                             step=60))
+        poll_until([b], lambda: bool(b.frags[p].core.contributors))
+        r.set(keys.fragment(p).lease, b"syncer-z")
+        push(r, keys, p, contribution_fields("L1", p, make_delta(cfg, p, 10), base_version=2,
+                                             step=60))
+        poll_until([b], lambda: p not in b.frags)
+        assert r.xlen(keys.fragment(p).rounds) == 2  # nothing committed without the lease
+    rep = replay(redis_url, run)
+    assert rep["ok"], rep

@@ -240,9 +240,14 @@ class Syncer:
         self.owned.sort()
         for p in ps:  # re-publish what is committed (a restart after a crash, a takeover)
             self._publish(p, self.frags[p].core)
-        for p in ps:
-            self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
-        for p in ps:
+        for p in ps:  # recovery may have outlasted a lease: claim nothing for a lost one
+            if not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
+                if not self.auto:
+                    raise LeaseLost(f"fragment {p}: lease lost while recovering it")
+                log.warning("fragment %d: lease lost while recovering it; another syncer "
+                            "serves it", p)
+                self._drop(p, release=False)
+        for p in [p for p in ps if p in self.frags]:
             pending = self.streams.read_pending(self.cfg.syncer_id, p)
             self._lost(p, [e.entry_id for e in pending if not e.fields])
             self._handle([e for e in pending if e.fields], check_deliveries=True)
@@ -252,11 +257,16 @@ class Syncer:
 
     def _finals_done(self, p: int) -> set[str]:
         """The learners whose final push to fragment p a previous owner merged or refused (a
-        syncer that takes a fragment over during the final flush never reads those)."""
+        syncer that takes a fragment over during the final flush never reads those): its
+        dedupe keys as recovered (rounds committed), or the merge and refusal records."""
         out = set()
         pushed = self._verified(registry.final_pushes(self.ctx.r, self.ctx.keys), "final-pushes")
+        seen = self.frags[p].core.seen
         for name, rep in pushed.items():
             if p not in rep.final:
+                continue
+            if any(k[0] == name and k[2] >= rep.steps for k in seen):
+                out.add(name)
                 continue
             for rec in (registry.merged(self.ctx.r, self.ctx.keys, name, p),
                         registry.refusal(self.ctx.r, self.ctx.keys, name, p)):
@@ -277,6 +287,8 @@ class Syncer:
                 release = False  # not ours any more: the next owner replays the rounds
             else:
                 self.streams.release_lease(p, self.cfg.syncer_id)
+        if p not in self.frags:  # the checkpoint's resync found another syncer serving it
+            return
         del self.frags[p]
         self.owned.remove(p)
         self._unwanted.pop(p, None)
@@ -618,13 +630,22 @@ class Syncer:
             self._resync()
         except LeaseLost:
             if self.streams.lease_holder(p) is not None:
-                raise  # another syncer owns the fragment now: this one stops
+                if not self.auto:
+                    raise  # another syncer owns the fragment now: this one stops
+                # sharing: that syncer serves it now (its entries of this round are pending
+                # here, and it claims them); this round was not committed
+                log.warning("fragment %d: another syncer holds the lease; v%d not committed, "
+                            "fragment handed over", p, result.version)
+                self._drop(p, release=False)
+                return
             # The lease expired under us: Redis was down (redis-py's retries hid it) or came
             # back from its AOF without it. Retake every lease and re-commit what Redis lacks,
             # this round included (it is in f.recent), as after an outage.
             log.warning("fragment %d: lease expired before the commit of v%d; retaking it and "
                         "re-committing", p, result.version)
             self._resync()
+        if p not in self.frags:  # the resync found another syncer serving it
+            return
         self.cfg.faults.at("after", self.stats.commits)
         self._publish(p, f.core)
         merged = {(n, p): Merged(f.entries[e].base_version, f.entries[e].step, result.version)
@@ -669,15 +690,20 @@ class Syncer:
     def checkpoint_all(self) -> None:
         """Write the full state of every fragment whose checkpoint is behind its version (the
         end of the run: export and evaluation then read it without replaying)."""
-        for p, f in self.frags.items():
+        for p, f in list(self.frags.items()):
             if f.ckpt_version < f.core.version:
                 self._checkpoint(p, f)
 
     def _checkpoint(self, p: int, f: _Frag) -> None:
         floor = self._sent_floor(f, f.core.version)
-        self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
-                                version=f.core.version,
-                                drop_sent_versions=range(f.sent_floor, floor))
+        try:
+            self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
+                                    version=f.core.version,
+                                    drop_sent_versions=range(f.sent_floor, floor))
+        except RoundsLost as e:  # a failover lost rounds: re-commit them (a checkpoint too)
+            log.error("%s; re-committing", e)
+            self._resync()
+            return
         f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
         f.sent_floor = max(f.sent_floor, floor)
 
@@ -738,11 +764,12 @@ class Syncer:
         final = len(pushed) >= self.run_cfg.learners
         expected = {p: {n for n, rep in pushed.items() if p in rep.final}
                     for p in self.owned} if final else {}
-        for p in self.owned:
+        for p in list(self.owned):
             # a close offers the deferred entries of learners that were a round ahead: their
             # round may be due at once (never wait for the next read's block_ms)
             for _ in range(_CLOSES_PER_POLL):
-                if self.frags[p].finished or not self._maybe_close(p, expected.get(p)):
+                if (p not in self.frags or self.frags[p].finished
+                        or not self._maybe_close(p, expected.get(p))):
                     break
         self._claim()
         if final and self._finish(expected):
@@ -764,6 +791,12 @@ class Syncer:
         self.checkpoint_all()
         versions = {str(p): self.frags[p].core.version for p in self.owned}
         if versions or not self.auto:
+            # a report of this syncer from before a restart or a hand-over may name other
+            # fragments: kept, so they stay closed
+            earlier = registry.syncer_final_reports(self.ctx.r, self.ctx.keys).get(
+                self.cfg.syncer_id)
+            if earlier is not None:
+                versions = {**earlier.versions, **versions}
             registry.mark_syncer_final(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
                                        SyncerFinal(versions=versions, rounds=self.stats.rounds))
         registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())

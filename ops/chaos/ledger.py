@@ -71,7 +71,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     guard: set[Key] = set()  # refused by the poison guard (tokens, norm) or a refused round
     duplicated = 0
     dead: set[Key] = set()
-    deduped: set[Key] = set()
+    deduped: list[Key] = []  # pushes refused as duplicates of an earlier copy
+    keyless: dict[tuple[str, int], int] = defaultdict(int)  # merged entries without a key
     round_times: list[float] = []
     useful_s = 0.0
     contributed: dict[str, list[float]] = defaultdict(list)
@@ -93,6 +94,8 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 found = _key_of(r, keys, p, inc.entry_id, id_key)
                 times_merged[found or (p, inc.entry_id)] += 1
                 k = found or (inc.learner, p, -1, -1)
+                if found is None:  # trimmed, never acknowledged to its learner: keyless
+                    keyless[(inc.learner, p)] += 1
                 merged.add(k)
                 contributed[inc.learner].append(t)
                 if i < len(rec.seconds) and t >= t_start:  # inside the accounting window
@@ -100,12 +103,11 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
             for entry_id, reason in rec.dropped:
                 if reason.kind is Drop.DUPLICATE:
                     duplicated += 1
-                    # the syncer dedupes only a push it has seen (merged or refused) before:
-                    # an earlier copy, maybe written by an XADD whose answer never came back
-                    # (and trimmed since), accounted for this push
+                    # the syncer dedupes a push it has seen before: an earlier copy, maybe
+                    # written by an XADD whose answer never came back (and trimmed since)
                     k = _key_of(r, keys, p, entry_id, id_key)
                     if k is not None:
-                        deduped.add(k)
+                        deduped.append(k)
                     continue
                 k = _key_of(r, keys, p, entry_id, id_key)
                 if k is not None:
@@ -126,13 +128,20 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                 kind = Reason.of(as_text(f[b"reason"])).kind
                 if kind is Drop.DUPLICATE:
                     duplicated += 1
-                    deduped.add(k)
+                    deduped.append(k)
                 else:
                     (dropped_stale if kind is Drop.STALE else dropped_other).add(k)
                     if kind in _GUARD:
                         guard.add(k)
     t_end = max([t_end, *round_times])  # the final flush merges work done before the stop
-    accounted = merged | dropped_stale | dropped_other | dead | deduped
+    accounted = merged | dropped_stale | dropped_other | dead
+    # a duplicate accounts for its push only through its earlier copy: one the records name,
+    # or a merged entry of the same learner and fragment whose key could not be read (each
+    # such entry vouches for one push)
+    for k in deduped:
+        if k not in accounted and keyless[(k[0], k[1])] > 0:
+            keyless[(k[0], k[1])] -= 1
+            accounted.add(k)
     lost = sorted(acked - accounted)
     wall = max(t_end - t_start, 1e-9)
     windows = max(1, int(np.ceil(wall / window_s)))

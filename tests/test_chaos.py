@@ -56,12 +56,6 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
         ("L1", "checkpoint", True)], rep["resumes"]
 
 
-@pytest.mark.slow
-def test_redis_killed_and_restarted(tmp_path):
-    rep = chaos(tmp_path, [Fault(10, "kill-redis", "", 3)], 25)
-    check(rep)
-
-
 def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
     """Three syncers started without a fragment list share 8 fragments; one is SIGKILLed for
     good mid-run and the other two take its fragments over (within its lease), claim what it
@@ -89,7 +83,12 @@ def test_syncer_killed_after_commit_and_lost_zmq_messages(tmp_path):
 
 
 @pytest.mark.slow
-def test_long_pause_makes_contributions_stale(tmp_path):
+def test_redis_killed_and_restarted_then_a_long_pause_makes_contributions_stale(tmp_path):
+    """redis-server SIGKILLed and restarted from its AOF, then a learner paused for longer
+    than max_staleness (1) rounds: its late pushes are merged as stale or dropped, with
+    reasons, and it rejoins."""
     over = {"sync": {**TINY["sync"], "max_staleness": 1}}
-    rep = chaos(tmp_path, [Fault(10, "pause-learner", "L1", 6)], 27, **over)
+    rep = chaos(tmp_path, [Fault(8, "kill-redis", "", 3), Fault(15, "pause-learner", "L1", 6)],
+                29, **over)
     check(rep)
+    assert [f["kind"] for f in rep["faults"]] == ["kill-redis", "pause-learner"]

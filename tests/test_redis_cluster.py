@@ -60,7 +60,7 @@ def test_a_run_on_the_cluster_equals_the_inprocess_engine_and_replays(cluster, t
     int4 delta down link (every learner must rebuild the syncer's value bit for bit): the
     learners end on identical values, which equal the in-process engine's bit for bit, and
     replay verifies every round."""
-    cfg = cfgmod.from_dict({**TINY, "learners": 3, "steps": 40,
+    cfg = cfgmod.from_dict({**TINY, "learners": 3, "steps": 24,
                             "sync": {**TINY["sync"], "quorum": 3, "strict": True,
                                      "down_delta": True, "codec_down": "int4"}})
     path = tmp_path / "run.toml"
@@ -97,8 +97,8 @@ def test_a_master_killed_mid_run_fails_over_and_nothing_acknowledged_is_lost(tmp
         **TINY, "learners": 3, "steps": 10**6,
         "broker": {"heartbeat_s": 0.25, "heartbeat_ttl_s": 1.5, "lease_ms": 2000,
                    "claim_idle_ms": 2000, "snapshot_timeout_s": 2.0, "wait_replicas": 1}})
-    rep = run_chaos(cfg, tmp_path / "run", "failover", [Fault(8, "kill-redis-master", "1", 5)],
-                    22, pace_s=0.05, redis_cluster=True)
+    rep = run_chaos(cfg, tmp_path / "run", "failover", [Fault(6, "kill-redis-master", "1", 4)],
+                    17, pace_s=0.05, redis_cluster=True)
     assert rep["lost"] == 0, rep["lost_keys"]
     assert rep["merged_twice"] == 0, rep["merged_twice_keys"]
     assert rep["learners_finished"] == ["L0", "L1", "L2"], rep["exit_codes"]

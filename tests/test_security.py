@@ -114,7 +114,7 @@ def test_a_run_against_a_password_protected_redis_shows_the_password_nowhere(tmp
         url_file = tmp_path / "redis-url"
         url_file.write_text(server.url + "\n")
         url_file.chmod(0o600)
-        cfg_path = write_config(tmp_path, learners=2, steps=30)
+        cfg_path = write_config(tmp_path, learners=2, steps=16)
         out_dir = tmp_path / "runs"
         ps = _Ps()
         try:

@@ -13,19 +13,27 @@ consumers that never came back.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisClusterException,
+    TryAgainError,
+)
 
 from broker.errors import BrokerError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, RunKeys
 
 Fields = dict[bytes, bytes]
+log = logging.getLogger("diloco.streams")
 
 # a cluster's answers while a slot changes master (a failover): not a refusal
 _SLOT_MOVING = (MovedError, AskError, TryAgainError, ClusterDownError)
@@ -107,8 +115,9 @@ class FragmentStreams:
             if self.cluster:  # the slot's master died or moved: read the slot map again
                 try:
                     self.r.nodes_manager.initialize()
-                except Exception:  # noqa: BLE001 - no node answers yet: the next try asks
-                    pass
+                except (redis.RedisError, RedisClusterException) as err:
+                    log.warning("fragment %d: the cluster's slot map could not be read again "
+                                "(%s); the next push asks again", p, err)
             raise NotDurable(f"fragment {p}: push not written ({e})") from e
         if int(replicas) < self.wait_replicas:
             raise NotDurable(f"fragment {p}: push {as_text(entry_id)} reached {replicas} of "
@@ -305,11 +314,8 @@ class FragmentStreams:
             pipe.watch(fk.lease, fk.rounds)
             self._check_lease(pipe.get(fk.lease), owner, p)
             if after is not None:
-                last = pipe.xrevrange(fk.rounds, "+", "-", count=1)
-                have = int(as_text(last[0][0]).split("-")[0]) if last else 0
-                if have < after:
-                    raise RoundsLost(f"fragment {p}: Redis holds rounds up to v{have}, the "
-                                     f"commit of v{version} follows v{after}")
+                self._require_rounds(pipe, fk.rounds, p, after,
+                                     f"the commit of v{version} follows v{after}")
             pipe.multi()
             if state is not None:
                 pipe.set(fk.state, state)
@@ -351,11 +357,8 @@ class FragmentStreams:
         try:
             pipe.watch(fk.lease, fk.rounds)
             self._check_lease(pipe.get(fk.lease), owner, p)
-            last = pipe.xrevrange(fk.rounds, "+", "-", count=1)
-            have = int(as_text(last[0][0]).split("-")[0]) if last else 0
-            if have < version:
-                raise RoundsLost(f"fragment {p}: Redis holds rounds up to v{have}, the "
-                                 f"checkpoint is of v{version}")
+            self._require_rounds(pipe, fk.rounds, p, version,
+                                 f"the checkpoint is of v{version}")
             pipe.multi()
             pipe.set(fk.state, state)
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
@@ -386,6 +389,15 @@ class FragmentStreams:
             raise LeaseLost(f"fragment {p}: lease changed during initialisation") from e
         finally:
             pipe.reset()
+
+    @staticmethod
+    def _require_rounds(pipe, key: str, p: int, version: int, what: str) -> None:
+        """Raise RoundsLost unless the rounds stream `key` (WATCHed by `pipe`) reaches
+        `version` (0: nothing needed)."""
+        last = pipe.xrevrange(key, "+", "-", count=1)
+        have = int(as_text(last[0][0]).split("-")[0]) if last else 0
+        if have < version:
+            raise RoundsLost(f"fragment {p}: Redis holds rounds up to v{have}, {what}")
 
     @staticmethod
     def _check_lease(holder: bytes | None, owner: str, p: int) -> None:

@@ -226,6 +226,38 @@ def test_the_quality_bench_compares_down_links_and_skips_finished_runs(tmp_path)
     assert json.loads((tmp_path / "results.json").read_text()) == first
 
 
+def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_variant(tmp_path):
+    from ops.bench import quality
+    from pipeline import config as cfgmod
+
+    base = cfgmod.from_dict({
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+        "data": {"max_bytes": 200_000, "eval_batches": 2},
+        "inner": {"batch_size": 4, "warmup_steps": 2},
+        "sync": {"sync_every": 4, "fragments": 2},
+        "engine": {"eval_every": 0}, "learners": 2, "steps": 8})
+    with pytest.raises(ValueError, match="unknown variants"):
+        quality.run_quality(base, tmp_path, only=["nope"])
+    md = quality.run_quality(base, tmp_path, only=["decoupled int4/bf16", "ddp"], seeds=[0, 1],
+                             lrs=[1e-3, 3e-3])
+    res = json.loads((tmp_path / "results.json").read_text())
+    # in the order asked for, every variant at every lr and seed
+    assert list(res)[:2] == ["decoupled int4/bf16 lr=0.001 seed=0",
+                             "decoupled int4/bf16 lr=0.001 seed=1"] and len(res) == 8
+    assert {s["config_key"] for s in res.values()}.__len__() == 8
+    rows = quality.seed_summary(res)
+    ddp = {k: r for k, r in rows.items() if r["variant"] == "ddp"}
+    best = min(ddp.values(), key=lambda r: r["mean"])
+    ours = rows["decoupled int4/bf16 lr=0.001"]
+    assert ours["ddp_lr"] == best["lr"] and ours["seeds_compared"] == [0, 1]
+    l0, l1 = (res[f"decoupled int4/bf16 lr=0.001 seed={s}"]["final_eval_loss"] for s in (0, 1))
+    b0, b1 = (res[f"ddp lr={best['lr']} seed={s}"]["final_eval_loss"] for s in (0, 1))
+    assert ours["gap_mean"] == pytest.approx((l0 + l1) / (b0 + b1) - 1)
+    assert ours["gap_worst_seed"] == pytest.approx(max(l0 / b0, l1 / b1) - 1)
+    assert l0 != l1  # the seed changes the run
+    assert "| decoupled int4/bf16 | 0.001 | 0,1 |" in md
+
+
 def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,
                                                                              redis_url):
     """Real processes: L1 subscribes to a port nobody publishes on, so no merged value reaches

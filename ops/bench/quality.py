@@ -31,6 +31,16 @@ def bench_model_config() -> RunConfig:
     })
 
 
+def default_model_config() -> RunConfig:
+    """The quality table's base at the model `ModelConfig` defaults to (d_model 128, 4 layers,
+    seq 128, batch 16): M=4, 2,000 inner steps per learner, shipped sync defaults."""
+    return cfgmod.from_dict({
+        "data": {"max_bytes": 8_000_000, "eval_batches": 16},
+        "engine": {"eval_every": 250},
+        "learners": 4, "steps": 2000,
+    })
+
+
 # down-link codecs of the frontier: name → overrides ("Δ": deltas with error feedback)
 DOWN_LINKS = {
     "bf16": {},
@@ -94,12 +104,36 @@ def poison_variants(base: RunConfig) -> dict[str, RunConfig]:
     return runs
 
 
+def sweep(runs: dict[str, RunConfig], seeds: list[int] | None,
+          lrs: list[float] | None) -> dict[str, RunConfig]:
+    """Every run at each inner learning rate and seed: ``"<name> lr=<lr> seed=<s>"`` (the lr
+    or seed part only when swept). Every variant gets the same sweep: the baseline's tuning
+    budget is ours."""
+    if not seeds and not lrs:
+        return runs
+    out: dict[str, RunConfig] = {}
+    for name, cfg in runs.items():
+        for lr in lrs or [None]:
+            for seed in seeds or [None]:
+                label, upd = name, {}
+                if lr is not None:
+                    label, upd["inner.lr"] = f"{label} lr={lr:g}", lr
+                if seed is not None:
+                    label, upd["seed"] = f"{label} seed={seed}", seed
+                out[label] = cfgmod.override(cfg, **upd)
+    return out
+
+
 def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
                 frontier: list[int] | None = None, poison: bool = False,
+                seeds: list[int] | None = None, lrs: list[float] | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
     """Run the variants (and the frontier over H) at equal tokens; write ``results.json``,
     ``loss_vs_tokens.png`` and ``results.md`` to `out`; return the markdown table. With
-    `poison`, the poison-guard variants (`poison_variants`) instead, plus ddp."""
+    `poison`, the poison-guard variants (`poison_variants`) instead, plus ddp. `only` names
+    variants before the sweep; `seeds` and `lrs` run each at every seed and inner lr (the
+    table then adds the mean ± spread over seeds, `seeds_markdown`). The runs are done in
+    the order of `only` (the most wanted first when a sitting ends)."""
     runs = variants(base)
     if poison:
         runs = {"ddp": runs["ddp"], **poison_variants(base)}
@@ -110,7 +144,11 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
                 base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up,
                                            **DOWN_LINKS[down]})
     if only:
-        runs = {k: v for k, v in runs.items() if k in only}
+        unknown = [k for k in only if k not in runs]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; known: {sorted(runs)}")
+        runs = {k: runs[k] for k in only}
+    runs = sweep(runs, seeds, lrs)
     out.mkdir(parents=True, exist_ok=True)
     corpus = run_corpus(base)
     # a run already in results.json with the same configuration is not run again, so a long
@@ -140,6 +178,8 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
     artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
                         title=f"eval loss vs tokens, M={base.learners}, in-process engine")
     md = quality_markdown(results, base)
+    if seeds or lrs:
+        md += "\n" + seeds_markdown(results)
     (out / "results.md").write_text(md)
     return md
 
@@ -184,4 +224,65 @@ def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
                      f"{r('bandwidth_ratio_sent')}, {r('bandwidth_ratio_received')} | "
                      f"{r('bandwidth_ratio_vs_ddp')} | {goodput} | "
                      f"{s['rounds']} | {_guard_cell(s)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _parse_label(label: str) -> tuple[str, str | None, int | None]:
+    """``"<name> lr=<lr> seed=<s>"`` → (name, lr text or None, seed or None)."""
+    words = label.split(" ")
+    seed = lr = None
+    while words and (words[-1].startswith("seed=") or words[-1].startswith("lr=")):
+        key, _, value = words.pop().partition("=")
+        if key == "seed":
+            seed = int(value)
+        else:
+            lr = value
+    return " ".join(words), lr, seed
+
+
+def seed_summary(results: dict[str, dict]) -> dict[str, dict]:
+    """Group swept runs by (variant, lr) over seeds: mean, min, max final eval loss, and the
+    gap to data parallel at its best learning rate (chosen by mean loss over the seeds both
+    have): on the mean and the worst seed (each seed against ddp's run of the same seed)."""
+    groups: dict[tuple[str, str | None], dict[int, float]] = {}
+    for label, s in results.items():
+        name, lr, seed = _parse_label(label)
+        groups.setdefault((name, lr), {})[-1 if seed is None else seed] = s["final_eval_loss"]
+    ddp = {k: v for k, v in groups.items() if k[0] == "ddp"}
+    best = min(ddp, key=lambda k: sum(ddp[k].values()) / len(ddp[k])) if ddp else None
+    out: dict[str, dict] = {}
+    for (name, lr), by_seed in groups.items():
+        losses = list(by_seed.values())
+        row = {"variant": name, "lr": lr, "seeds": sorted(by_seed), "losses": by_seed,
+               "mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses)}
+        if best is not None:
+            ref = ddp[best]
+            common = [s for s in by_seed if s in ref]
+            if common:
+                m = sum(by_seed[s] for s in common) / len(common)
+                r = sum(ref[s] for s in common) / len(common)
+                row["ddp_lr"] = best[1]
+                row["gap_mean"] = m / r - 1
+                row["gap_worst_seed"] = max(by_seed[s] / ref[s] - 1 for s in common)
+                row["seeds_compared"] = common
+        out[f"{name}" + (f" lr={lr}" if lr else "")] = row
+    return out
+
+
+def seeds_markdown(results: dict[str, dict]) -> str:
+    """The over-seeds table of `seed_summary`."""
+    rows = seed_summary(results)
+    lines = ["| variant | inner lr | seeds | final eval loss, mean (min–max) | gap to ddp "
+             "(best lr) on the mean | worst seed's gap | binding ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for key, r in rows.items():
+        ratio = next((s.get("bandwidth_ratio_binding") for label, s in results.items()
+                      if _parse_label(label)[:2] == (r["variant"], r["lr"])), None)
+        gap = (f"{100 * r['gap_mean']:+.2f}% (ddp lr {r['ddp_lr']}, seeds "
+               f"{','.join(map(str, r['seeds_compared']))})") if "gap_mean" in r else "n/a"
+        worst = f"{100 * r['gap_worst_seed']:+.2f}%" if "gap_worst_seed" in r else "n/a"
+        lines.append(f"| {r['variant']} | {r['lr'] or 'default'} | "
+                     f"{','.join(map(str, r['seeds']))} | {r['mean']:.4f} ({r['min']:.4f}–"
+                     f"{r['max']:.4f}) | {gap} | {worst} | "
+                     f"{'1 (definition)' if r['variant'] == 'ddp' else (f'{ratio:.0f}×' if ratio else 'n/a')} |")
     return "\n".join(lines) + "\n"

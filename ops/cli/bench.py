@@ -45,6 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--frontier", default="", metavar="H,H,...",
                    help="also run decoupled at these sync intervals H with each up/down codec pair "
                         "(int4/bf16, bf16/bf16, int4/int8Δ, int4/int4Δ; Δ: delta down link)")
+    q.add_argument("--model", choices=("bench", "default"), default="bench",
+                   help="bench: the small bench model (d_model 64, 2 layers, 1,500 steps); "
+                        "default: the model ModelConfig defaults to, 2,000 steps")
+    q.add_argument("--seeds", default="", metavar="S,S,...",
+                   help="run every variant at each seed (table: mean ± spread over seeds)")
+    q.add_argument("--lrs", default="", metavar="LR,LR,...",
+                   help="run every variant at each inner learning rate (the same sweep for "
+                        "ddp and ours; the gap is to ddp at its best lr)")
     q.add_argument("--poison", action="store_true",
                    help="the poison guard's variants instead: one learner of M poisoned "
                         "(10⁴× norm, 10⁴× tokens, sign-flipped δ), guard on vs off")
@@ -106,14 +114,18 @@ def _progress(line: str) -> None:
 
 def _quality(args: argparse.Namespace) -> int:
     try:
-        base = config_from_args(args, base=quality.bench_model_config())
+        base = config_from_args(args, base=quality.bench_model_config() if args.model == "bench"
+                                else quality.default_model_config())
         frontier = [int(x) for x in args.frontier.split(",") if x.strip()]
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or None
+        lrs = [float(x) for x in args.lrs.split(",") if x.strip()] or None
     except ValueError as e:
         return fail(str(e))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     try:
         print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
-                                  poison=args.poison, progress=_progress))
+                                  poison=args.poison, seeds=seeds, lrs=lrs,
+                                  progress=_progress))
     except (ValueError, OSError) as e:
         return fail(str(e))
     return 0

@@ -144,6 +144,11 @@ class SyncConfig:
     # into the next (error feedback) and every learner holds R(v) bit for bit (the header
     # carries its SHA-256). Snapshots hold R(v) in fp32 for rejoining learners.
     down_delta: bool = field(default=False, metadata={"added": True})
+    # Up-link error feedback (pipeline/learner.py `LearnerCore._push`): each push sends
+    # codec_up(δ + e) and keeps e ← (δ + e) − decoded, the part of its contributions the
+    # rounds have not seen yet, so the quantisation error of one push goes out with the next
+    # instead of being lost (a push that was not merged gives its e back).
+    up_feedback: bool = field(default=False, metadata={"added": True})
 
     @property
     def delta_h(self) -> int:

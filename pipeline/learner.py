@@ -41,6 +41,9 @@ class _InFlight:
     # δ as pushed (quantised, or decoded after a restore): a superseding push that finds this
     # one merged rebases onto base − δ (`rebase_merged`); None in checkpoints that lack it
     pushed: Mapping[str, quant.QTensor | np.ndarray] | None = None
+    # up-link error feedback: the residual this push carried in (δ + carried was quantised);
+    # a push that turns out not merged gives it back (`LearnerCore.residual`)
+    carried: dict[str, np.ndarray] | None = None
 
     def pushed_values(self) -> dict[str, np.ndarray]:
         assert self.pushed is not None
@@ -79,6 +82,9 @@ class LearnerCore:
         self.merged_lookup: Callable[[int, _InFlight], tuple[int, Mapping[str, np.ndarray]]
                                      | str | None] | None = None
         self.rebased_merged = 0  # superseding pushes that found their predecessor merged
+        # up-link error feedback (sync.up_feedback): per fragment, the part of the pushes'
+        # δ + e that their quantisation dropped (None: zero); it goes out with the next push
+        self.residual: list[dict[str, np.ndarray] | None] = [None] * P
 
     def after_step(self, step: int, tokens: int, params: Params) -> tuple[Params, list[Push]]:
         """Count the step, apply merged values that are due, return the pushes that are due."""
@@ -97,6 +103,10 @@ class LearnerCore:
                     return params, pushes
                 if found is not None and found[0] > self.base_version[p]:
                     params = self.rebase_merged(p, found[0], found[1], params)
+                elif found is None:
+                    # not merged: the new δ holds the old one whole, so the residual it
+                    # carried in is what the rounds have still not seen
+                    self.residual[p] = f.carried
             push = self._maybe_push(p, step, params)
             if push is not None:
                 pushes.append(push)
@@ -126,6 +136,9 @@ class LearnerCore:
         assert f is not None and f.pushed is not None
         pushed = f.pushed_values()
         self.base[p] = {n: self.base[p][n] - pushed[n] for n in self.fragments[p]}
+        # base − θ now holds the merged push's quantisation error (δ + carried − pushed) less
+        # the residual it carried in: carrying that in again sends exactly the error
+        self.residual[p] = f.carried
         self.steps[p] -= f.steps_at_push
         self.tokens[p] -= f.tokens_at_push
         self.inflight[p] = None
@@ -144,11 +157,20 @@ class LearnerCore:
 
     def _push(self, p: int, step: int, params: Params) -> Push:
         theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
-        payload = {n: quant.quantize(self.base[p][n] - theta[n], self.cfg.codec_up,
-                                     self.cfg.quant_block) for n in self.fragments[p]}
+        delta = {n: self.base[p][n] - theta[n] for n in self.fragments[p]}
+        carried = None
+        if self.cfg.up_feedback and self.cfg.codec_up != "fp32":
+            carried = self.residual[p]
+            if carried is not None:
+                delta = {n: delta[n] + carried[n] for n in self.fragments[p]}
+        payload = {n: quant.quantize(delta[n], self.cfg.codec_up, self.cfg.quant_block)
+                   for n in self.fragments[p]}
+        if self.cfg.up_feedback and self.cfg.codec_up != "fp32":
+            self.residual[p] = {n: delta[n] - quant.dequantize(payload[n])
+                                for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
-                                     self.tokens[p], payload)
+                                     self.tokens[p], payload, carried)
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
@@ -249,6 +271,10 @@ class LearnerCore:
                 arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
             if f is not None and f.pushed is not None:
                 arrays.update({f"pushed{p}/{n}": v for n, v in f.pushed_values().items()})
+            if f is not None and f.carried is not None:
+                arrays.update({f"carried{p}/{n}": v for n, v in f.carried.items()})
+            if self.residual[p] is not None:
+                arrays.update({f"residual{p}/{n}": v for n, v in self.residual[p].items()})
             pend = self.pending[p]
             meta["pending"].append(None if pend is None else pend[0])
             if pend is not None:
@@ -262,31 +288,51 @@ class LearnerCore:
             ValueError: the checkpoint does not match this learner's fragments.
         """
         P = len(self.fragments)
-        if len(meta["base_version"]) != P:
-            raise ValueError(f"checkpoint has {len(meta['base_version'])} fragments, not {P}")
 
         def group(prefix: str, p: int) -> dict[str, np.ndarray]:
             try:
-                return {n: np.asarray(arrays[f"{prefix}{p}/{n}"], np.float32)
-                        for n in self.fragments[p]}
+                out = {n: np.asarray(arrays[f"{prefix}{p}/{n}"], np.float32)
+                       for n in self.fragments[p]}
             except KeyError as e:
                 raise ValueError(f"checkpoint lacks {e.args[0]}") from None
+            except (TypeError, ValueError) as e:  # not numeric
+                raise ValueError(f"checkpoint's {prefix}{p} is not a float array: {e}") from None
+            for n, v in out.items():
+                if v.shape != self.base[p][n].shape:
+                    raise ValueError(f"checkpoint's {prefix}{p}/{n} has shape {v.shape}, not "
+                                     f"{self.base[p][n].shape}")
+            return out
 
-        self.base = [group("base", p) for p in range(P)]
-        self.base_version = [int(v) for v in meta["base_version"]]
-        self.steps = [int(v) for v in meta["steps"]]
-        self.tokens = [int(v) for v in meta["tokens"]]
-        self.applied = int(meta.get("applied", 0))
-        self.inflight = [None if f is None else _InFlight(
-            int(f["step"]), int(f["base_version"]),
-            group("theta_at_push", p) if f.get("theta") else None,
-            int(f["steps_at_push"]), int(f["tokens_at_push"]),
-            # older checkpoints lack it: that push, if superseded, goes out whole
-            group("pushed", p) if all(f"pushed{p}/{n}" in arrays for n in self.fragments[p])
-            else None)
-            for p, f in enumerate(meta["inflight"])]
-        self.pending = [None if v is None else (int(v), group("pending", p))
-                        for p, v in enumerate(meta["pending"])]
+        def optional(prefix: str, p: int) -> dict[str, np.ndarray] | None:
+            return group(prefix, p) if all(f"{prefix}{p}/{n}" in arrays
+                                           for n in self.fragments[p]) else None
+
+        try:  # everything is read before anything is replaced
+            if len(meta["base_version"]) != P:
+                raise ValueError(f"checkpoint has {len(meta['base_version'])} fragments, not {P}")
+            bases = [group("base", p) for p in range(P)]
+            versions = [int(v) for v in meta["base_version"]]
+            steps = [int(v) for v in meta["steps"]]
+            tokens = [int(v) for v in meta["tokens"]]
+            applied = int(meta.get("applied", 0))
+            inflight = [None if f is None else _InFlight(
+                int(f["step"]), int(f["base_version"]),
+                group("theta_at_push", p) if f.get("theta") else None,
+                int(f["steps_at_push"]), int(f["tokens_at_push"]),
+                # older checkpoints lack it: that push, if superseded, goes out whole
+                optional("pushed", p), optional("carried", p))
+                for p, f in enumerate(meta["inflight"])]
+            # a checkpoint without residuals (older, or error feedback off): they start at zero
+            residual = [optional("residual", p) for p in range(P)]
+            pending = [None if v is None else (int(v), group("pending", p))
+                       for p, v in enumerate(meta["pending"])]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"checkpoint's bookkeeping is malformed: {e!r}") from None
+        if not (len(steps) == len(tokens) == len(inflight) == len(pending) == P):
+            raise ValueError(f"checkpoint's bookkeeping does not have {P} fragments")
+        self.base, self.base_version, self.steps, self.tokens = bases, versions, steps, tokens
+        self.applied, self.inflight, self.residual, self.pending = (applied, inflight, residual,
+                                                                    pending)
 
     def adopt_base(self, p: int, params: Params) -> Params:
         """End of run: fragment p's last push was never merged (refused) and no later version
@@ -302,4 +348,7 @@ class LearnerCore:
     def forget_push(self, p: int) -> None:
         """Treat fragment p's contribution in flight as never sent (its entry is not in Redis):
         its progress stays counted and goes out with the next push."""
+        f = self.inflight[p]
+        if f is not None and self.cfg.up_feedback:
+            self.residual[p] = f.carried
         self.inflight[p] = None

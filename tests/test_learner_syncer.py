@@ -496,3 +496,91 @@ def test_a_lookup_that_cannot_tell_defers_the_superseding_push():
     assert core.rebased_merged == 1 and push.base_version == 3
     assert (push.step, push.steps) == (14, 12)  # the 12 steps since the merged step-2 push
     np.testing.assert_array_equal(decoded(push)[FC], 12 * G[FC])
+
+
+# -- up-link error feedback (sync.up_feedback) -----------------------------------------------------
+
+EF = dataclasses.replace(CFG, codec_up="int4", up_feedback=True)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_error_feedback_keeps_what_the_rounds_saw_within_one_quantisation_step(codec):
+    """A learner alone, every push merged at once (Θ ← Θ − decoded δ, rebase apply keeping the
+    progress since the push): with error feedback, Θ lags the learner's pushed progress by
+    exactly the residual it holds (one push's quantisation error); without, the errors of
+    50 pushes add up."""
+    shapes = {"w": (512,)}
+    frags = [["w"]]
+    rng = np.random.default_rng(0)
+    steps = [{"w": (0.01 * rng.standard_normal(512)).astype(F32)} for _ in range(200)]
+    errs = {}
+    for feedback in (False, True):
+        cfg = dataclasses.replace(SyncConfig(), fragments=1, sync_every=4, overlap_steps=0,
+                                  apply="rebase", codec_up=codec, up_feedback=feedback)
+        start = {"w": np.zeros(shapes["w"], F32)}
+        core = LearnerCore("a", frags, cfg, start, [0])
+        params, glob, version, progress = {"w": jnp.zeros(512)}, start["w"], 0, np.zeros(512)
+        pushed_progress = np.zeros(512)
+        for t, g in enumerate(steps, 1):
+            params = {"w": params["w"] - g["w"]}
+            progress = progress + g["w"]
+            params, pushes = core.after_step(t, TOKENS, params)
+            for push in pushes:
+                version += 1
+                glob = glob - quant.dequantize(push.payload["w"])
+                pushed_progress = progress.copy()
+                assert core.on_global(0, version, {"w": glob})
+        assert version == 50
+        lag = -glob - pushed_progress  # what the rounds have not seen of the pushed progress
+        errs[feedback] = np.linalg.norm(lag)
+        if feedback:
+            np.testing.assert_allclose(lag, -core.residual[0]["w"], atol=1e-5)
+            x = pushed_progress  # the residual is within one step of the last push's value
+            assert np.all(np.abs(core.residual[0]["w"]) <= quant.error_bound(
+                x.astype(F32), codec, cfg.quant_block) + 1e-6)
+    assert errs[True] < errs[False] / 3, errs
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_error_feedback_over_a_superseded_push_merged_or_not(merged):
+    """The step-2 push is superseded at step 10: merged (the learner rebases onto its version)
+    or not (the new push holds the old δ whole). Either way the pushes the rounds take plus
+    the residual held add up to exactly the learner's progress: no error is lost or counted
+    twice."""
+    core, params = make(EF)
+    first = {}
+
+    def lookup(p, f):
+        first["q"] = quant.dequantize(f.pushed[FC]) if isinstance(f.pushed[FC], quant.QTensor) \
+            else f.pushed[FC]
+        return (3, {FC: BASE[FC] - first["q"]}) if merged else None
+
+    core.merged_lookup = lookup
+    params, pushes = run(core, params, range(1, 11))
+    [p2] = pushes[2]
+    q2 = decoded(p2)[FC]
+    assert not np.array_equal(q2, 2 * G[FC])  # int4 loses something on these values
+    [p10] = pushes[10]
+    q10 = decoded(p10)[FC]
+    taken = (q2 if merged else 0) + q10
+    np.testing.assert_allclose(taken + core.residual[1][FC], 10 * G[FC], atol=1e-6)
+
+
+def test_error_feedback_survives_a_checkpoint_and_forgotten_pushes_give_the_residual_back():
+    core, params = make(EF)
+    params, _ = run(core, params, range(1, 3))         # step 2 pushed fragment 1
+    params, _ = run(core, params, range(3, 11))        # step 10 pushed it again (not merged)
+    res, carried = core.residual[1][FC].copy(), core.inflight[1].carried[FC].copy()
+    meta, arrays = core.state_dict()
+    back = LearnerCore("a", FRAGS, EF, BASE, [0, 0])
+    back.load_state(meta, arrays)
+    np.testing.assert_array_equal(back.residual[1][FC], res)
+    np.testing.assert_array_equal(back.inflight[1].carried[FC], carried)
+    back.forget_push(1)  # never acknowledged: what it carried in is still unseen
+    np.testing.assert_array_equal(back.residual[1][FC], carried)
+    bad = dict(arrays, **{f"residual1/{FC}": np.zeros(7, F32)})
+    with pytest.raises(ValueError, match="shape"):
+        back.load_state(meta, bad)
+    np.testing.assert_array_equal(back.residual[1][FC], carried)  # nothing replaced
+    with pytest.raises(ValueError, match="malformed"):
+        back.load_state(dict(meta, steps=None), arrays)

@@ -49,6 +49,16 @@ DOWN_LINKS = {
 }
 
 
+# up-link codecs of the frontier ("+EF": error feedback, `sync.up_feedback`)
+UP_LINKS = {
+    "int4": {"sync.codec_up": "int4"},
+    "bf16": {"sync.codec_up": "bf16"},
+    "int4+EF": {"sync.codec_up": "int4", "sync.up_feedback": True},
+}
+FRONTIER = (("int4", "bf16"), ("bf16", "bf16"), ("int4", "int8Δ"), ("int4", "int4Δ"),
+            ("int4+EF", "int4Δ"), ("int4+EF", "bf16"))
+
+
 def variants(base: RunConfig) -> dict[str, RunConfig]:
     """Name → configuration of every run in the quality benchmark."""
     M = base.learners
@@ -138,10 +148,9 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
     if poison:
         runs = {"ddp": runs["ddp"], **poison_variants(base)}
     for h in frontier or []:
-        for up, down in (("int4", "bf16"), ("bf16", "bf16"), ("int4", "int8Δ"),
-                         ("int4", "int4Δ")):
+        for up, down in FRONTIER:
             runs[f"frontier H={h} {up}/{down}"] = cfgmod.override(
-                base, mode="decoupled", **{"sync.sync_every": h, "sync.codec_up": up,
+                base, mode="decoupled", **{"sync.sync_every": h, **UP_LINKS[up],
                                            **DOWN_LINKS[down]})
     if only:
         unknown = [k for k in only if k not in runs]

@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--only", default="", help="comma-separated subset of variant names")
     q.add_argument("--frontier", default="", metavar="H,H,...",
                    help="also run decoupled at these sync intervals H with each up/down codec pair "
-                        "(int4/bf16, bf16/bf16, int4/int8Δ, int4/int4Δ; Δ: delta down link)")
+                        "(int4/bf16, bf16/bf16, int4/int8Δ, int4/int4Δ, int4+EF/int4Δ, "
+                        "int4+EF/bf16; Δ: delta down link, +EF: up-link error feedback)")
     q.add_argument("--model", choices=("bench", "default"), default="bench",
                    help="bench: the small bench model (d_model 64, 2 layers, 1,500 steps); "
                         "default: the model ModelConfig defaults to, 2,000 steps")

@@ -533,6 +533,9 @@ class LearnerFinal(_JsonRecord):
     step_s: float = 0.0
     train_s: float = 0.0
     steps_per_s: float = 0.0
+    # seconds the training thread spent in the island's own work after steps (pushes, merged
+    # values, heartbeats, checkpoints): time the learner did not train
+    sync_s: float = 0.0
     rejected: int = 0  # merged values that failed a check (never applied)
     # superseding pushes that found their predecessor merged (and rebased first)
     rebased_merged: int = 0

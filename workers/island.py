@@ -58,6 +58,7 @@ from workers.common import (
     RunContext,
     decode_values,
     open_run,
+    process_age_s,
     read_snapshot,
     stale_temps,
     write_npz_atomic,
@@ -168,6 +169,7 @@ class Island:
         self.step = 0
         self.tokens_done = 0
         self.train_s = 0.0
+        self.sync_s = 0.0  # seconds in after_step's own work (see LearnerFinal.sync_s)
         self.steady_steps_per_s = 0.0
         self.report: LearnerFinal | None = None
         self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
@@ -183,6 +185,8 @@ class Island:
         self.last_tick = time.monotonic()
         self._secs_at_push: dict[int, float] = {}  # secs[p] when p's push in flight went out
         self._t_last = self._t_start = self._t_first = 0.0
+        # seconds after the process started: joining began, joined, first step done
+        self.startup: dict[str, float | None] = {}
         self._t_rate, self._tok_rate = 0.0, 0
         self._steps_here = 0
         self._closed = False
@@ -219,10 +223,12 @@ class Island:
             self._check_like(like)
             self._treedef = jax.tree_util.tree_structure(like)
             self._names = list(tree.flatten(like))
+        self.startup["join_at_s"] = process_age_s()
         self._join()
         if callable(opt_state):
             opt_state = opt_state(self._out(self._params))
         self.step, self.tokens_done, opt_state = self._resume(opt_state)
+        self.startup["joined_at_s"] = process_age_s()
         self._t_last = self._t_start = self._t_rate = time.monotonic()
         self._tok_rate = self.tokens_done
         return self._out(self._params), opt_state
@@ -252,6 +258,11 @@ class Island:
         self._steps_here += 1
         if self._steps_here == 1:
             self._t_first = now  # the first step of a process includes compilation
+            self.startup["first_step_at_s"] = age = process_age_s()
+            if age is not None:
+                log.info("%s: first step %.1f s after the process started (joining began at "
+                         "%.1f s, joined at %.1f s)", self.id, age,
+                         self.startup["join_at_s"] or 0.0, self.startup["joined_at_s"] or 0.0)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
         for p in range(len(self.secs)):
@@ -283,6 +294,7 @@ class Island:
         if self.state_dir is not None and self.step % self.every == 0:
             self._checkpoint(opt_state)
         self._t_last = time.monotonic()
+        self.sync_s += self._t_last - now
         return self._out(flat)
 
     def _identity(self) -> dict:
@@ -674,7 +686,11 @@ class Island:
             bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
             pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
             step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s,
-            rejected=s.rejected, rebased_merged=self.core.rebased_merged)
+            rejected=s.rejected, rebased_merged=self.core.rebased_merged,
+            sync_s=round(self.sync_s, 3))
+        log.info("%s: %d steps in %.1f s of training; %.1f s (%.1f%%) in pushes, merged values, "
+                 "heartbeats and checkpoints", self.id, self._steps_here, self.train_s,
+                 self.sync_s, 100 * self.sync_s / max(self.train_s, 1e-9))
         report = self._signed("final", report)
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)

@@ -44,11 +44,25 @@ _CACHE_VERSION = 1  # bump when the bytes a cache holds for the same inputs chan
 _READ_CHUNK = 1 << 20
 
 
+_SKIP_DIRS = ("site-packages", "__pycache__")
+
+
 def _text_files(root: Path) -> list[Path]:
+    """The text files under `root` (not inside site-packages or __pycache__, symbolic links to
+    folders not followed), in the order of their relative paths. Those folders are not walked
+    at all: a stdlib tree's site-packages can hold tens of thousands of files, and every
+    process that loads the corpus lists the tree to check its cache."""
     if root.is_file():
         return [root]
-    files = [p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES
-             and "site-packages" not in p.parts and "__pycache__" not in p.parts]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        if any(part in _SKIP_DIRS for part in here.parts):
+            dirs.clear()
+            continue
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files.extend(here / n for n in names
+                     if os.path.splitext(n)[1] in _TEXT_SUFFIXES and (here / n).is_file())
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

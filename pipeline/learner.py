@@ -310,6 +310,9 @@ class LearnerCore:
         try:  # everything is read before anything is replaced
             if len(meta["base_version"]) != P:
                 raise ValueError(f"checkpoint has {len(meta['base_version'])} fragments, not {P}")
+            if not (len(meta["steps"]) == len(meta["tokens"]) == len(meta["inflight"])
+                    == len(meta["pending"]) == P):
+                raise ValueError(f"checkpoint's bookkeeping does not have {P} fragments")
             bases = [group("base", p) for p in range(P)]
             versions = [int(v) for v in meta["base_version"]]
             steps = [int(v) for v in meta["steps"]]
@@ -326,10 +329,8 @@ class LearnerCore:
             residual = [optional("residual", p) for p in range(P)]
             pending = [None if v is None else (int(v), group("pending", p))
                        for p, v in enumerate(meta["pending"])]
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
             raise ValueError(f"checkpoint's bookkeeping is malformed: {e!r}") from None
-        if not (len(steps) == len(tokens) == len(inflight) == len(pending) == P):
-            raise ValueError(f"checkpoint's bookkeeping does not have {P} fragments")
         self.base, self.base_version, self.steps, self.tokens = bases, versions, steps, tokens
         self.applied, self.inflight, self.residual, self.pending = (applied, inflight, residual,
                                                                     pending)

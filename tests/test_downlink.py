@@ -238,6 +238,8 @@ def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_varia
         "engine": {"eval_every": 0}, "learners": 2, "steps": 8})
     with pytest.raises(ValueError, match="unknown variants"):
         quality.run_quality(base, tmp_path, only=["nope"])
+    with pytest.raises(ValueError, match="repeat"):
+        quality.run_quality(base, tmp_path, only=["ddp"], lrs=[1e-3, 0.001])
     md = quality.run_quality(base, tmp_path, only=["decoupled int4/bf16", "ddp"], seeds=[0, 1],
                              lrs=[1e-3, 3e-3])
     res = json.loads((tmp_path / "results.json").read_text())
@@ -256,6 +258,10 @@ def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_varia
     assert ours["gap_worst_seed"] == pytest.approx(max(l0 / b0, l1 / b1) - 1)
     assert l0 != l1  # the seed changes the run
     assert "| decoupled int4/bf16 | 0.001 | 0,1 |" in md
+    # the per-run table compares each run with ddp at its best lr and the same seed
+    best_lr = best["lr"]
+    assert f"{100 * (l1 / b1 - 1):+.2f}%" in md.split("decoupled int4/bf16 lr=0.001 seed=1 |")[1]
+    assert best_lr in ("0.001", "0.003")
 
 
 def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,
@@ -275,8 +281,11 @@ def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp
 
     r = connect(redis_url)
     steps = 60
-    cfg = tiny_config(learners=2, steps=steps, sync={"quorum": 1},
+    # with up-link error feedback: a rebase over a merged push must not send its error twice
+    cfg = tiny_config(learners=2, steps=steps, sync={"quorum": 1, "up_feedback": True,
+                                                     "codec_up": "int4"},
                       broker={"snapshot_timeout_s": 30.0})
+    assert cfg.sync.codec_up == "int4"
     keys = store_run(r, "deaf", cfg)
     base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "deaf",
             "--state-dir", str(tmp_path / "state")]
@@ -303,3 +312,10 @@ def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp
         # every step of L1 is merged at most once (the run is short: nothing trimmed)
         assert 0 < steps_merged <= steps, (p, steps_merged)
     assert reports["L1"].rebased_merged > 0, (tmp_path / "L1.log").read_text()[-3000:]
+    for name in ("L0", "L1"):
+        rep = reports[name]
+        assert 0 < rep.sync_s < rep.train_s, rep  # the sync work is measured, and not all
+        log_text = (tmp_path / f"{name}.log").read_text()
+        assert "s after the process started (joining began at" in log_text
+        with np.load(tmp_path / "state" / f"{name}.ckpt.npz") as z:  # residuals checkpointed
+            assert any(k.startswith("core/residual") for k in z.files), z.files

@@ -582,5 +582,11 @@ def test_error_feedback_survives_a_checkpoint_and_forgotten_pushes_give_the_resi
     with pytest.raises(ValueError, match="shape"):
         back.load_state(meta, bad)
     np.testing.assert_array_equal(back.residual[1][FC], carried)  # nothing replaced
-    with pytest.raises(ValueError, match="malformed"):
-        back.load_state(dict(meta, steps=None), arrays)
+    for bad_meta in (dict(meta, steps=None), dict(meta, steps=[float("inf"), 0]),
+                     dict(meta, base_version=7)):
+        with pytest.raises(ValueError, match="malformed"):
+            back.load_state(bad_meta, arrays)
+    longer = dict(meta, inflight=[*meta["inflight"], meta["inflight"][1]])
+    with pytest.raises(ValueError, match="fragments"):
+        back.load_state(longer, arrays)
+    np.testing.assert_array_equal(back.residual[1][FC], carried)  # still nothing replaced

@@ -248,7 +248,7 @@ class Island:
             The parameters to continue from: the same values unless a merged value was due.
         """
         self._check_net()
-        now = time.monotonic()
+        now = t_in = time.monotonic()
         dt = now - self._t_last  # the caller's step: from the end of the last after_step
         n_tok = self.tokens_per_step if tokens is None else int(tokens)
         if not 0 < n_tok <= self.max_tokens_per_step:
@@ -294,7 +294,7 @@ class Island:
         if self.state_dir is not None and self.step % self.every == 0:
             self._checkpoint(opt_state)
         self._t_last = time.monotonic()
-        self.sync_s += self._t_last - now
+        self.sync_s += self._t_last - t_in
         return self._out(flat)
 
     def _identity(self) -> dict:
@@ -599,9 +599,16 @@ class Island:
         try:
             meta = json.loads(str(z["core"]))
             params = {n: np.asarray(z[f"theta/{n}"], np.float32) for n in self.ctx.shapes}
+            for n, v in params.items():
+                if v.shape != tuple(self.ctx.shapes[n]):
+                    raise ValueError(f"theta/{n} has shape {v.shape}, not {self.ctx.shapes[n]}")
+            secs = [float(x) for x in meta.get("secs", self.secs)]
+            if len(secs) != len(self.secs):
+                raise ValueError(f"{len(secs)} fragments' seconds, not {len(self.secs)}")
+            secs_at_push = {int(p): float(v) for p, v in meta.get("secs_at_push", {}).items()}
             core_arrays = {k[len("core/"):]: z[k] for k in z.files if k.startswith("core/")}
             self.core.load_state(meta, core_arrays)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as e:
             log.warning("%s: checkpoint progress not restored (%s); starting from the snapshots",
                         self.id, e)
             versions, values = self._joined
@@ -614,8 +621,7 @@ class Island:
             elif f is not None:  # its merged value may still come: repair on the usual timeout
                 self._push_time[p] = time.monotonic()
         self._params = self._place(params)
-        self.secs = [float(x) for x in meta.get("secs", self.secs)]
-        self._secs_at_push = {int(p): float(v) for p, v in meta.get("secs_at_push", {}).items()}
+        self.secs, self._secs_at_push = secs, secs_at_push
         versions, values = self._joined
         for p, v in enumerate(versions):
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base

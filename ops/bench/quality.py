@@ -121,6 +121,10 @@ def sweep(runs: dict[str, RunConfig], seeds: list[int] | None,
     budget is ours."""
     if not seeds and not lrs:
         return runs
+    if lrs and len({f"{lr:g}" for lr in lrs}) != len(lrs):
+        raise ValueError(f"learning rates {lrs} repeat (or differ beyond 6 digits)")
+    if seeds and len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds {seeds} repeat")
     out: dict[str, RunConfig] = {}
     for name, cfg in runs.items():
         for lr in lrs or [None]:
@@ -186,9 +190,17 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
         (out / "results.json").write_text(json.dumps(results, indent=1))
     artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
                         title=f"eval loss vs tokens, M={base.learners}, in-process engine")
-    md = quality_markdown(results, base)
     if seeds or lrs:
-        md += "\n" + seeds_markdown(results)
+        # the tables cover this invocation's runs (and the ddp runs it can compare with), not
+        # other sittings' kept runs of other configurations
+        mine = {k: v for k, v in results.items()
+                if k in runs or _parse_label(k)[0] == "ddp"}
+        summary = seed_summary(mine)
+        md = quality_markdown(mine, base, ddp_of=lambda label: _ddp_same_seed(mine, summary,
+                                                                               label))
+        md += "\n" + seeds_markdown(mine)
+    else:
+        md = quality_markdown(results, base)
     (out / "results.md").write_text(md)
     return md
 
@@ -206,8 +218,23 @@ def config_key(cfg: RunConfig) -> str:
                                      default=str).encode()).hexdigest()[:16]
 
 
-def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
-    ddp = results.get("ddp", {}).get("final_eval_loss")
+def _ddp_same_seed(results: dict[str, dict], summary: dict[str, dict],
+                   label: str) -> float | None:
+    """Final loss of ddp at its best lr with the seed of run `label` (None: not run)."""
+    best = next((r["ddp_lr"] for r in summary.values() if "ddp_lr" in r), None)
+    _, _, seed = _parse_label(label)
+    for k, v in results.items():
+        name, lr, s = _parse_label(k)
+        if name == "ddp" and lr == best and s == seed:
+            return v["final_eval_loss"]
+    return None
+
+
+def quality_markdown(results: dict[str, dict], base: RunConfig,
+                     ddp_of: Callable[[str], float | None] | None = None) -> str:
+    """One row per run; the gap is to ``results["ddp"]``, or to `ddp_of(label)` (swept runs:
+    ddp at its best lr with the same seed)."""
+    ddp_run = results.get("ddp", {}).get("final_eval_loss")
     lines = [
         f"Machine: {platform.machine()}, {platform.python_implementation()} "
         f"{platform.python_version()}; model d_model {base.model.d_model}, {base.model.n_layers} "
@@ -221,6 +248,7 @@ def quality_markdown(results: dict[str, dict], base: RunConfig) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in results.items():
+        ddp = ddp_of(name) if ddp_of is not None else ddp_run
         gap = f"{100 * (s['final_eval_loss'] / ddp - 1):+.2f}%" if ddp else "n/a"
         base = s["mode"] == "ddp"
 
@@ -251,14 +279,23 @@ def _parse_label(label: str) -> tuple[str, str | None, int | None]:
 
 def seed_summary(results: dict[str, dict]) -> dict[str, dict]:
     """Group swept runs by (variant, lr) over seeds: mean, min, max final eval loss, and the
-    gap to data parallel at its best learning rate (chosen by mean loss over the seeds both
-    have): on the mean and the worst seed (each seed against ddp's run of the same seed)."""
+    gap to data parallel at its best learning rate (the lowest mean loss over the seeds every
+    ddp lr was run with), over the seeds the variant and that ddp share: on the mean and the
+    worst seed (each seed against ddp's run of the same seed)."""
     groups: dict[tuple[str, str | None], dict[int, float]] = {}
     for label, s in results.items():
         name, lr, seed = _parse_label(label)
         groups.setdefault((name, lr), {})[-1 if seed is None else seed] = s["final_eval_loss"]
     ddp = {k: v for k, v in groups.items() if k[0] == "ddp"}
-    best = min(ddp, key=lambda k: sum(ddp[k].values()) / len(ddp[k])) if ddp else None
+    # ddp's best lr: by the mean over the seeds every ddp lr was run with (all of its seeds
+    # where they share none)
+    shared = set.intersection(*(set(v) for v in ddp.values())) if ddp else set()
+
+    def ddp_mean(k: tuple[str, str | None]) -> float:
+        seeds = [s for s in ddp[k] if s in shared] or list(ddp[k])
+        return sum(ddp[k][s] for s in seeds) / len(seeds)
+
+    best = min(ddp, key=ddp_mean) if ddp else None
     out: dict[str, dict] = {}
     for (name, lr), by_seed in groups.items():
         losses = list(by_seed.values())

@@ -262,6 +262,10 @@ def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_varia
     best_lr = best["lr"]
     assert f"{100 * (l1 / b1 - 1):+.2f}%" in md.split("decoupled int4/bf16 lr=0.001 seed=1 |")[1]
     assert best_lr in ("0.001", "0.003")
+    # --report: the same tables from results.json alone, running nothing
+    assert quality.report(tmp_path, base) == md
+    with pytest.raises(ValueError, match="does not exist"):
+        quality.report(tmp_path / "none", base)
 
 
 def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,

@@ -205,6 +205,22 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
     return md
 
 
+def report(out: Path, base: RunConfig) -> str:
+    """The tables over every run in ``out/results.json`` (all sittings), running nothing:
+    per run (swept runs against ddp at its best lr and the same seed) and over seeds."""
+    path = out / "results.json"
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: nothing has been run there")
+    results = json.loads(path.read_text())
+    swept = any(_parse_label(k)[1:] != (None, None) for k in results)
+    if not swept:
+        return quality_markdown(results, base)
+    summary = seed_summary(results)
+    md = quality_markdown(results, base,
+                          ddp_of=lambda label: _ddp_same_seed(results, summary, label))
+    return md + "\n" + seeds_markdown(results)
+
+
 def _guard_cell(s: dict) -> str:
     d = s.get("dropped_by_kind", {})
     cell = f"{d.get('tokens', 0)}, {d.get('norm', 0)}"

@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--lrs", default="", metavar="LR,LR,...",
                    help="run every variant at each inner learning rate (the same sweep for "
                         "ddp and ours; the gap is to ddp at its best lr)")
+    q.add_argument("--report", action="store_true",
+                   help="print the tables over every run already in --out's results.json "
+                        "(all sittings), running nothing")
     q.add_argument("--poison", action="store_true",
                    help="the poison guard's variants instead: one learner of M poisoned "
                         "(10⁴× norm, 10⁴× tokens, sign-flipped δ), guard on vs off")
@@ -123,6 +126,12 @@ def _quality(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
+    if args.report:
+        try:
+            print(quality.report(Path(args.out), base))
+        except (ValueError, OSError, KeyError) as e:
+            return fail(str(e))
+        return 0
     try:
         print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
                                   poison=args.poison, seeds=seeds, lrs=lrs,

@@ -226,6 +226,25 @@ def test_the_quality_bench_compares_down_links_and_skips_finished_runs(tmp_path)
     assert json.loads((tmp_path / "results.json").read_text()) == first
 
 
+def test_a_kept_run_stays_valid_when_a_setting_is_added_at_its_old_behaviour():
+    import hashlib
+
+    from ops.bench import quality
+    from pipeline import config as cfgmod
+
+    cfg = quality.default_model_config()
+    d = cfgmod.to_dict(cfg)
+    assert d["sync"]["up_feedback"] is False
+    # the key a run got before `sync.up_feedback` existed
+    before = {**d, "sync": {k: v for k, v in d["sync"].items() if k != "up_feedback"}}
+    old_key = hashlib.sha256(json.dumps(before, sort_keys=True,
+                                        default=str).encode()).hexdigest()[:16]
+    assert quality.config_key(cfg) == old_key
+    on = cfgmod.override(cfg, **{"sync.up_feedback": True})
+    assert quality.config_key(on) != old_key
+    assert quality.config_key(cfgmod.override(cfg, seed=1)) != old_key
+
+
 def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_variant(tmp_path):
     from ops.bench import quality
     from pipeline import config as cfgmod

@@ -227,11 +227,20 @@ def _guard_cell(s: dict) -> str:
     return cell + (f" (+{s['guard_clipped']} clipped)" if s.get("guard_clipped") else "")
 
 
+# Settings added after runs were kept, at the value that does what the code did before they
+# existed: a run's key leaves them out at that value, so a kept run stays valid when a setting
+# is added, and a run that turns one on gets a new key.
+KEY_NEUTRAL = {("sync", "up_feedback"): False}
+
+
 def config_key(cfg: RunConfig) -> str:
     """A run's whole configuration (engine included) as a short hash: a finished run is
     skipped only when its configuration is the same."""
-    return hashlib.sha256(json.dumps(cfgmod.to_dict(cfg), sort_keys=True,
-                                     default=str).encode()).hexdigest()[:16]
+    d = cfgmod.to_dict(cfg)
+    for (section, name), neutral in KEY_NEUTRAL.items():
+        if section in d and name in d[section] and d[section][name] == neutral:
+            d[section] = {k: v for k, v in d[section].items() if k != name}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _ddp_same_seed(results: dict[str, dict], summary: dict[str, dict],

@@ -279,6 +279,11 @@ def done_names(r: redis.Redis, keys: RunKeys) -> list[str]:
     return sorted(as_text(k) for k in r.hkeys(keys.done))
 
 
+def learner_finished(r: redis.Redis, keys: RunKeys, learner: str) -> bool:
+    """True once `learner` has written its end-of-run report."""
+    return bool(r.hexists(keys.done, _FINAL + learner))
+
+
 def final_pushes(r: redis.Redis, keys: RunKeys) -> dict[str, FinalPushes]:
     """Learners that finished training → the fragments they pushed final contributions for."""
     return _decoded(_done(r, keys)[0], FinalPushes, "final pushes")

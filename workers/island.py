@@ -185,7 +185,8 @@ class Island:
         self.last_tick = time.monotonic()
         self._secs_at_push: dict[int, float] = {}  # secs[p] when p's push in flight went out
         self._t_last = self._t_start = self._t_first = 0.0
-        # seconds after the process started: joining began, joined, first step done
+        # seconds after the process started: joining began, joined, first step done (and
+        # took_over_at_s: when a warm spare was told to take over, `diloco learner --standby`)
         self.startup: dict[str, float | None] = {}
         self._t_rate, self._tok_rate = 0.0, 0
         self._steps_here = 0
@@ -259,9 +260,11 @@ class Island:
         if self._steps_here == 1:
             self._t_first = now  # the first step of a process includes compilation
             self.startup["first_step_at_s"] = age = process_age_s()
+            took = self.startup.get("took_over_at_s")
             if age is not None:
-                log.info("%s: first step %.1f s after the process started (joining began at "
+                log.info("%s: first step %.1f s after the process started (%sjoining began at "
                          "%.1f s, joined at %.1f s)", self.id, age,
+                         "" if took is None else f"a warm spare, took over at {took:.1f} s, ",
                          self.startup["join_at_s"] or 0.0, self.startup["joined_at_s"] or 0.0)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt

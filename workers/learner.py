@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import numpy as np
+import redis
 import zmq
 
-from broker import signing
+from broker import registry, signing
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
@@ -33,6 +35,7 @@ from workers.common import (
     apply_environment,
     enable_compile_cache,
     open_run,
+    process_age_s,
     require_security,
     usage_error,
 )
@@ -68,6 +71,7 @@ class LearnerConfig:
     task: str | None = None        # the user task this process may import (--task)
     devices: int = 1               # local devices of this learner's island (0: all)
     fsdp: bool = False             # shard parameters and optimizer state over the island
+    standby: str = ""              # a warm spare: get ready, join once this file exists
 
 
 class Learner:
@@ -93,25 +97,48 @@ class Learner:
         self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
         if cfg.poison:
             self.island.poison = (cfg.poison, cfg.poison_scale)
+        task = ctx.task
+        self.data = task.data()
+        self.opt = task.optimizer()
+        pl = self.placement
+        self.step_fn = pl.step(task, self.opt) if pl else make_step(task, self.opt)
+
+    def _init_opt(self, params):
+        state = self.opt.init(params)
+        return self.placement.opt_state(state) if self.placement else state
+
+    def _batch(self, step: int):
+        batch = self.data.batch(self.island.shard, step, self.run_cfg.inner.batch_size)
+        pl = self.placement
+        return pl.batch(batch) if pl else jax.tree_util.tree_map(jax.numpy.asarray, batch)
+
+    def warm_up(self) -> float:
+        """Run the jitted step on stand-in values placed exactly as joining places the run's
+        (fresh optimizer state, one restored from a checkpoint, and the step's own outputs), so
+        that every signature the first steps after joining use is compiled and loaded: a warm
+        spare (`--standby`) then steps at once when it takes over. Touches nothing in Redis.
+        Returns the seconds it took."""
+        t0 = time.monotonic()
+        flat = self.island._place({k: np.zeros(shape, np.float32)
+                                   for k, shape in self.ctx.shapes.items()})
+        fresh = self._init_opt(flat)
+        # the checkpoint's leaves are put where the fresh state's are (Island._restore_opt)
+        restored = jax.tree_util.tree_map(
+            lambda x: jax.device_put(np.asarray(x), getattr(x, "sharding", None)), fresh)
+        batch = self._batch(0)
+        params, opt_state, _ = self.step_fn(flat, fresh, batch)
+        out = self.step_fn(params, opt_state, batch)
+        out2 = self.step_fn(flat, restored, batch)
+        jax.block_until_ready((out, out2))
+        return time.monotonic() - t0
 
     def train(self) -> None:
-        cfg, run_cfg, island = self.cfg, self.run_cfg, self.island
-        task = self.ctx.task
-        data = task.data()
-        opt = task.optimizer()
-        pl = self.placement
-        step_fn = pl.step(task, opt) if pl else make_step(task, opt)
-
-        def init_opt(params):
-            state = opt.init(params)
-            return pl.opt_state(state) if pl else state
-
-        params, opt_state = island.start(opt_state=init_opt)
-        batch_size = run_cfg.inner.batch_size
+        cfg, island = self.cfg, self.island
+        step_fn = self.step_fn
+        params, opt_state = island.start(opt_state=self._init_opt)
         while not island.done:
             t0 = time.monotonic()
-            batch = data.batch(island.shard, island.step, batch_size)
-            batch = pl.batch(batch) if pl else jax.tree_util.tree_map(jax.numpy.asarray, batch)
+            batch = self._batch(island.step)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             jax.block_until_ready(params)
             self._pace(t0)
@@ -138,11 +165,22 @@ def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
     apply_environment()
     if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
-        enable_compile_cache(Path(cfg.state_dir) / f"{cfg.learner_id}.jax-cache")
+        # spares keep their own folder: JAX writes entries without a lock, and a spare warms
+        # up while the learner it stands in for runs
+        kind = "standby.jax-cache" if cfg.standby else "jax-cache"
+        enable_compile_cache(Path(cfg.state_dir) / f"{cfg.learner_id}.{kind}")
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task,
                    need_code=True)
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)
+    if cfg.standby:
+        try:
+            if not wait_to_take_over(learner, Path(cfg.standby)):
+                return 0
+        except BaseException:
+            learner.island.close()
+            zctx.term()
+            raise
     if cfg.metrics_port:
         from workers.metrics import learner_spec, serve, stalled
 
@@ -160,6 +198,46 @@ def main(cfg: LearnerConfig) -> int:
     finally:
         learner.island.close()
         zctx.term()
+
+
+STANDBY_POLL_S = 0.02  # how often a warm spare looks for its file
+STANDBY_RUN_CHECK_S = 1.0  # how often it reads whether the run was stopped or finished
+
+
+def wait_to_take_over(learner: Learner, go: Path) -> bool:
+    """A warm spare: compile and run the step once (`Learner.warm_up`), then wait until `go`
+    exists, remove it and return True; False when the run is stopped or finished, or the
+    learner it stands in for has written its end-of-run report, first. The
+    spare writes nothing to the run while it waits, so any number may stand by; the one whose
+    file appears joins as ``--id`` (resuming from ``--state-dir`` like any restart)."""
+    warm_s = learner.warm_up()
+    log.info("%s: standby: warm (imports, data, compiled step) %.1f s after the process "
+             "started, step warm-up %.1f s; waiting for %s", learner.id, process_age_s() or 0.0,
+             warm_s, go)
+    ctx = learner.ctx
+    next_check = 0.0
+    while not go.exists():
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + STANDBY_RUN_CHECK_S
+            try:
+                if registry.stop_requested(ctx.r, ctx.keys) or \
+                        registry.finish_requested(ctx.r, ctx.keys) or \
+                        registry.learner_finished(ctx.r, ctx.keys, learner.id):
+                    log.info("%s: standby: the run (or %s) ended before it was needed",
+                             learner.id, learner.id)
+                    return False
+            except redis.RedisError as e:  # Redis down: keep waiting, the run may come back
+                log.warning("%s: standby: cannot read the run's state (%s)", learner.id, e)
+        time.sleep(STANDBY_POLL_S)
+    try:
+        go.unlink()
+    except OSError:
+        pass  # already taken away: the file's appearance was the signal
+    learner.island.startup["took_over_at_s"] = age = process_age_s()
+    log.info("%s: standby: taking over %.1f s after the process started", learner.id,
+             age or 0.0)
+    return True
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -198,6 +276,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="local devices of this learner's island, data parallel (0: all)")
     ap.add_argument("--fsdp", action="store_true",
                     help="shard parameters and optimizer state over the island's devices")
+    ap.add_argument("--standby", metavar="FILE", default="",
+                    help="a warm spare for --id: start, load the data and compile the step, "
+                         "then wait (touching nothing in the run) until FILE exists; remove it "
+                         "and join as --id. Exits 0 if the run stops first")
 
 
 def curve_client(secret: str | None, server_key: str | None) -> CurveClient | None:
@@ -228,7 +310,7 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
                          poison=a.poison, poison_scale=a.poison_scale,
                          curve=curve_client(a.curve_secret, a.curve_server_key),
-                         sign_key=_sign_key(a.sign_key))
+                         sign_key=_sign_key(a.sign_key), standby=a.standby)
 
 
 if __name__ == "__main__":

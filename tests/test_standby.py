@@ -1,0 +1,91 @@
+"""Warm spares (`diloco learner --standby FILE`): a process that is ready to take over a learner
+the moment it dies, so that a restart does not pay for Python, JAX, the data and compilation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from helpers_broker import REPO, poll_until, run_to_the_end, store_run, syncer_cmd, tiny_config
+
+from broker import registry
+from broker.connection import connect
+
+
+def _events(r, keys) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.events)]
+
+
+def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_others_exit(
+        tmp_path, redis_url):
+    """Real processes: a syncer, L0 and L1, and two warm spares for L1. While they wait, the
+    spares write nothing to the run. L1 is killed mid-run; one spare's file appears, it takes
+    over as L1, resumes from L1's state folder without compiling its training step again (JAX
+    logs every compilation), and the run ends with both learners on the same values. The
+    spare that was never needed exits 0 by itself once L1 has finished."""
+    r = connect(redis_url)
+    steps = 160
+    cfg = tiny_config(learners=2, steps=steps, sync={"quorum": 1})
+    keys = store_run(r, "spare", cfg)
+    state = tmp_path / "state"
+    base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "spare",
+            "--state-dir", str(state), "--delay-s", "0.03"]
+    go = tmp_path / "go-a"
+    cmds = {"syncer": syncer_cmd(redis_url, "spare"), "L0": [*base, "--id", "L0"],
+            "L1": [*base, "--id", "L1"],
+            "spare-a": [*base, "--id", "L1", "--standby", str(go)],
+            "spare-b": [*base, "--id", "L1", "--standby", str(tmp_path / "go-b")]}
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in cmds}
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+    procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT,
+                                 env=env) for n, c in cmds.items()}
+
+    def log_of(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text(errors="replace")
+
+    try:
+        assert poll_until(lambda: all("waiting for" in log_of(s) for s in ("spare-a", "spare-b"))
+                          or any(procs[s].poll() is not None for s in ("spare-a", "spare-b")),
+                          timeout_s=120), log_of("spare-a")[-2000:]
+        assert procs["spare-a"].poll() is None, log_of("spare-a")[-3000:]
+        spare_pids = {str(procs[s].pid) for s in ("spare-a", "spare-b")}
+        assert not [e for e in _events(r, keys) if e.get("pid") in spare_pids]
+
+        def l1_step() -> int:
+            rec = registry.learner_records(r, keys).get("L1")
+            return rec.step if rec else 0
+
+        assert poll_until(lambda: l1_step() >= 40 or procs["L1"].poll() is not None, 120)
+        assert procs["L1"].poll() is None, log_of("L1")[-3000:]
+        procs["L1"].send_signal(signal.SIGKILL)
+        procs["L1"].wait()
+        assert l1_step() < steps  # (its last heartbeat: the kill was mid-run)
+        go.touch()
+        procs["L1"] = procs.pop("spare-a")
+        run_to_the_end(procs, ("L0", "L1", "syncer", "spare-b"), tmp_path, timeout_s=240)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for fh in logs.values():
+            fh.close()
+
+    took = log_of("spare-a")
+    assert not go.exists()  # the spare takes its file away
+    before, after = took.split("standby: taking over", 1)
+    assert "Compiling jit(step)" in before  # the log shows compilations…
+    assert "Compiling jit(step)" not in after  # …and the training step was not compiled again
+    assert "a warm spare, took over at" in after
+    assert "the run (or L1) ended before it was needed" in log_of("spare-b")
+    joins = [e for e in _events(r, keys) if e.get("learner") == "L1"
+             and e.get("kind") in ("join", "rejoin")]
+    assert [e["pid"] for e in joins][-1] == str(procs["L1"].pid)
+    resumed = [e for e in _events(r, keys) if e.get("kind") == "resume"
+               and e.get("learner") == "L1"]
+    assert resumed and 0 < int(resumed[-1]["step"]) < steps  # from L1's checkpoint
+    reports = registry.learner_final_reports(r, keys)
+    assert reports["L0"].hashes == reports["L1"].hashes
+    assert reports["L1"].steps == steps

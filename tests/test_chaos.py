@@ -56,6 +56,25 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
         ("L1", "checkpoint", True)], rep["resumes"]
 
 
+def test_warm_spares_bring_killed_learners_back(tmp_path):
+    """With spares (`diloco chaos --spares`) each learner has a warm `--standby` process; a
+    killed learner is brought back by activating it, resuming the learner's checkpoint, with no
+    process start, data load or compilation in between; a new spare follows later."""
+    faults = [Fault(8, "kill-learner", "L1", 2), Fault(14, "kill-learner", "L0", 2)]
+    rep = chaos(tmp_path, faults, 26, learners=2, spares=True)
+    check(rep, learners=2)
+    assert [(t["learner"], t["spare"]) for t in rep["spares_took_over"]] == [
+        ("L1", "L1.spare2"), ("L0", "L0.spare1")], rep["spares_took_over"]
+    assert sorted((r["learner"], r["source"]) for r in rep["resumes"]) == [
+        ("L0", "checkpoint"), ("L1", "checkpoint")], rep["resumes"]
+    logs = tmp_path / "run" / "logs"
+    for spare in ("L1.spare2", "L0.spare1"):
+        assert "a warm spare, took over at" in (logs / f"{spare}.log").read_text()
+    # the spares that never took over are not part of the run's exit codes
+    assert sorted(rep["exit_codes"]) == ["L0", "L1", "syncer-0"], rep["exit_codes"]
+    assert rep["rejoins"] >= 2
+
+
 def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
     """Three syncers started without a fragment list share 8 fragments; one is SIGKILLed for
     good mid-run and the other two take its fragments over (within its lease), claim what it

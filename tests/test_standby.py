@@ -13,6 +13,7 @@ from helpers_broker import REPO, poll_until, run_to_the_end, store_run, syncer_c
 
 from broker import registry
 from broker.connection import connect
+from workers.learner import standby_ready_file
 
 
 def _events(r, keys) -> list[dict[str, str]]:
@@ -47,10 +48,13 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
         return (tmp_path / f"{name}.log").read_text(errors="replace")
 
     try:
-        assert poll_until(lambda: all("waiting for" in log_of(s) for s in ("spare-a", "spare-b"))
-                          or any(procs[s].poll() is not None for s in ("spare-a", "spare-b")),
+        ready = {s: standby_ready_file(tmp_path / f"go-{s[-1]}") for s in ("spare-a", "spare-b")}
+        assert poll_until(lambda: all(f.exists() for f in ready.values())
+                          or any(procs[s].poll() is not None for s in ready),
                           timeout_s=120), log_of("spare-a")[-2000:]
         assert procs["spare-a"].poll() is None, log_of("spare-a")[-3000:]
+        assert all(ready[s].read_text() == f"{procs[s].pid}\n" for s in ready)
+        assert "waiting for" in log_of("spare-b")
         spare_pids = {str(procs[s].pid) for s in ("spare-a", "spare-b")}
         assert not [e for e in _events(r, keys) if e.get("pid") in spare_pids]
 
@@ -75,6 +79,7 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
 
     took = log_of("spare-a")
     assert not go.exists()  # the spare takes its file away
+    assert not any(f.exists() for f in ready.values())
     before, after = took.split("standby: taking over", 1)
     assert "Compiling jit(step)" in before  # the log shows compilations…
     assert "Compiling jit(step)" not in after  # …and the training step was not compiled again

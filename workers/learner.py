@@ -204,16 +204,24 @@ STANDBY_POLL_S = 0.02  # how often a warm spare looks for its file
 STANDBY_RUN_CHECK_S = 1.0  # how often it reads whether the run was stopped or finished
 
 
+def standby_ready_file(go: Path) -> Path:
+    """The file a warm spare writes (its pid) once it is warm and waiting for `go`."""
+    return go.with_name(go.name + ".ready")
+
+
 def wait_to_take_over(learner: Learner, go: Path) -> bool:
     """A warm spare: compile and run the step once (`Learner.warm_up`), then wait until `go`
     exists, remove it and return True; False when the run is stopped or finished, or the
-    learner it stands in for has written its end-of-run report, first. The
+    learner it stands in for has written its end-of-run report, first. While it waits,
+    `standby_ready_file` holds its pid. The
     spare writes nothing to the run while it waits, so any number may stand by; the one whose
     file appears joins as ``--id`` (resuming from ``--state-dir`` like any restart)."""
     warm_s = learner.warm_up()
     log.info("%s: standby: warm (imports, data, compiled step) %.1f s after the process "
              "started, step warm-up %.1f s; waiting for %s", learner.id, process_age_s() or 0.0,
              warm_s, go)
+    ready = standby_ready_file(go)
+    ready.write_text(f"{os.getpid()}\n")
     ctx = learner.ctx
     next_check = 0.0
     while not go.exists():
@@ -226,14 +234,13 @@ def wait_to_take_over(learner: Learner, go: Path) -> bool:
                         registry.learner_finished(ctx.r, ctx.keys, learner.id):
                     log.info("%s: standby: the run (or %s) ended before it was needed",
                              learner.id, learner.id)
+                    ready.unlink(missing_ok=True)
                     return False
             except redis.RedisError as e:  # Redis down: keep waiting, the run may come back
                 log.warning("%s: standby: cannot read the run's state (%s)", learner.id, e)
         time.sleep(STANDBY_POLL_S)
-    try:
-        go.unlink()
-    except OSError:
-        pass  # already taken away: the file's appearance was the signal
+    for f in (go, ready):
+        f.unlink(missing_ok=True)
     learner.island.startup["took_over_at_s"] = age = process_age_s()
     log.info("%s: standby: taking over %.1f s after the process started", learner.id,
              age or 0.0)
@@ -278,8 +285,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="shard parameters and optimizer state over the island's devices")
     ap.add_argument("--standby", metavar="FILE", default="",
                     help="a warm spare for --id: start, load the data and compile the step, "
-                         "then wait (touching nothing in the run) until FILE exists; remove it "
-                         "and join as --id. Exits 0 if the run stops first")
+                         "write FILE.ready, then wait (touching nothing in the run) until FILE "
+                         "exists; remove both and join as --id. Exits 0 if the run stops first")
 
 
 def curve_client(secret: str | None, server_key: str | None) -> CurveClient | None:

@@ -346,14 +346,15 @@ def seeds_markdown(results: dict[str, dict]) -> str:
     lines = ["| variant | inner lr | seeds | final eval loss, mean (min–max) | gap to ddp "
              "(best lr) on the mean | worst seed's gap | binding ratio |",
              "|---|---|---|---|---|---|---|"]
-    for key, r in rows.items():
+    for r in rows.values():
         ratio = next((s.get("bandwidth_ratio_binding") for label, s in results.items()
                       if _parse_label(label)[:2] == (r["variant"], r["lr"])), None)
         gap = (f"{100 * r['gap_mean']:+.2f}% (ddp lr {r['ddp_lr']}, seeds "
                f"{','.join(map(str, r['seeds_compared']))})") if "gap_mean" in r else "n/a"
         worst = f"{100 * r['gap_worst_seed']:+.2f}%" if "gap_worst_seed" in r else "n/a"
+        binding = ("1 (definition)" if r["variant"] == "ddp"
+                   else f"{ratio:.0f}×" if ratio else "n/a")
         lines.append(f"| {r['variant']} | {r['lr'] or 'default'} | "
                      f"{','.join(map(str, r['seeds']))} | {r['mean']:.4f} ({r['min']:.4f}–"
-                     f"{r['max']:.4f}) | {gap} | {worst} | "
-                     f"{'1 (definition)' if r['variant'] == 'ddp' else (f'{ratio:.0f}×' if ratio else 'n/a')} |")
+                     f"{r['max']:.4f}) | {gap} | {worst} | {binding} |")
     return "\n".join(lines) + "\n"

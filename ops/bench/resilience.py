@@ -52,12 +52,12 @@ def _quiet(_: str) -> None:
 
 def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
              corpus, delays=None, progress: Progress = _quiet, live: Live | None = None,
-             learner_args: dict[str, list[str]] | None = None) -> dict:
+             learner_args: dict[str, list[str]] | None = None, spares: bool = False) -> dict:
     run = re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("+", "p")).strip("-")
     t0 = time.monotonic()
     rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
                     delays_s=delays or {}, eval_every_s=10.0, corpus=corpus, progress=live,
-                    learner_args=learner_args)
+                    learner_args=learner_args, spares=spares)
     rep["bench_wall_s"] = time.monotonic() - t0
     rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
     progress(f"{name:24s} goodput {rep['goodput']:.3f} availability "
@@ -68,10 +68,11 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
 
 def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
        kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet,
-       live: Live | None = None, base: RunConfig | None = None) -> dict:
+       live: Live | None = None, base: RunConfig | None = None, spares: bool = False) -> dict:
     """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
     the kill schedule). `base`: the configuration both modes start from (default
-    `base_config`). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
+    `base_config`); `spares`: every learner of both modes has a warm spare
+    (`ChaosRun`). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
     base = base or base_config()
     corpus = run_corpus(base)
@@ -81,7 +82,7 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
                                    down_s, quiet_tail_s=15.0)
         runs[seed] = {mode: _variant(cfgmod.override(base, mode=mode), out / f"seed{seed}",
                                      mode, schedule, duration_s, pace_s, corpus,
-                                     progress=progress, live=live)
+                                     progress=progress, live=live, spares=spares)
                       for mode in ("decoupled", "sync-diloco")}
         runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
     summary = {
@@ -103,7 +104,7 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
     summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
                                          / summary["goodput_sync_diloco_mean"])
     doc = _save(out, "s1", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
-                                           "seeds": seeds}, base)
+                                           "seeds": seeds, "spares": spares}, base)
     _plot(out / "s1.png", runs, f"S1: learner failures (shaded), M={base.learners}")
     return doc
 

@@ -10,6 +10,10 @@ fault kind, seeded) — and every injected fault is written to the run's events 
 harness kills it restarts (learners with the same id and state folder, so they resume).
 At the end it stops the run (learners flush, syncers close final rounds) and returns the report
 of `ops.chaos.ledger.account`.
+
+With ``spares``, every learner has a warm spare (``diloco learner --standby``): a process that
+has loaded the data and compiled the step and waits; bringing a killed learner back then
+activates its spare instead of starting a process (a new spare starts `SPARE_AFTER_S` later).
 """
 
 from __future__ import annotations
@@ -38,8 +42,11 @@ from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.task import stored_spec, task_of
+from workers.learner import standby_ready_file
 
 log = logging.getLogger("diloco.chaos")
+
+SPARE_AFTER_S = 10.0  # a learner's next warm spare starts this long after the last took over
 
 
 class ChaosRun:
@@ -49,7 +56,7 @@ class ChaosRun:
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
                  standby: bool = False, syncers: int = 1, eval_every_s: float = 0.0,
                  redis_cluster: bool = False,
-                 learner_args: dict[str, list[str]] | None = None):
+                 learner_args: dict[str, list[str]] | None = None, spares: bool = False):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
         self.pace_s = pace_s
@@ -83,6 +90,12 @@ class ChaosRun:
         self.duration_s = 0.0  # of the supervised part (set by supervise)
         self.gave_up: set[str] = set()
         self.max_crashes = 3
+        # warm spares: learner → (the process standing by for it, the file that activates it)
+        self.spares_on = spares
+        self.spares: dict[str, tuple[str, Path]] = {}
+        self._spares_started = 0
+        self._spare_due: dict[str, float] = {}  # learner → when its next spare starts
+        self.took_over: list[dict] = []  # which spare took over which learner, when
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -121,8 +134,47 @@ class ChaosRun:
             for zp in zps:
                 cmd += ["--sub-endpoint", f"tcp://{zp.address}"]
             self.sup.spawn(name, cmd + list(self.learner_args.get(name, ())))
+            if self.spares_on:
+                self._spawn_spare(name)
         self.t_start = time.time()
         self.t0 = time.monotonic()
+
+    def _spawn_spare(self, name: str) -> None:
+        """Start a warm spare for learner `name`: its own command with ``--standby FILE``."""
+        self._spares_started += 1
+        spare = f"{name}.spare{self._spares_started}"
+        go = self.run_dir / "spares" / f"{spare}.go"
+        go.parent.mkdir(parents=True, exist_ok=True)
+        self.sup.spawn(spare, [*self.sup.cmds[name], "--standby", str(go)])
+        self.spares[name] = (spare, go)
+
+    def _bring_back(self, name: str) -> None:
+        """Restart learner or syncer `name`: a learner's warm spare takes over when it has one
+        that is running (and a new spare starts); otherwise a new process."""
+        spare, go = self.spares.pop(name, ("", Path()))
+        if spare and self.procs[spare].poll() is None:
+            self.sup.kill(name)
+            go.touch()
+            self.sup.procs[name] = self.sup.procs.pop(spare)
+            self.sup.cmds.pop(spare, None)
+            self.took_over.append({"learner": name, "spare": spare, "t": time.time()})
+        else:
+            if spare:  # it died waiting: a plain restart, and a new spare
+                self.sup.procs.pop(spare, None)
+                self.sup.cmds.pop(spare, None)
+            self.sup.kill(name)
+            self.sup.spawn(name, self.restore_cmds.pop(name, None))
+        if spare:  # its next spare starts a little later: not beside the restart's own work
+            self._spare_due[name] = time.monotonic() + SPARE_AFTER_S
+
+    def _stop_spares(self) -> None:
+        """The spares are not part of the run: they are killed when training ends."""
+        self._spare_due.clear()
+        for spare, _ in self.spares.values():
+            self.sup.kill(spare)
+            self.sup.procs.pop(spare, None)
+            self.sup.cmds.pop(spare, None)
+        self.spares.clear()
 
     def _event(self, kind: str, **fields) -> None:
         self._pending_events.append({"kind": kind, **fields})
@@ -198,8 +250,7 @@ class ChaosRun:
                 self.sup.r = connect(self.redis.url)
                 self._event("recover", target="redis")
             else:
-                self.sup.kill(name)
-                self.sup.spawn(name, self.restore_cmds.pop(name, None))
+                self._bring_back(name)
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
             del self.down[name]
@@ -216,6 +267,13 @@ class ChaosRun:
                 self.restarts.append((name, time.time()))
                 self._event("recover", target=name)
                 del self.cut[name]
+
+    def _start_due_spares(self, now: float) -> None:
+        for name, t in list(self._spare_due.items()):
+            if now >= t:
+                del self._spare_due[name]
+                if name not in self.spares:
+                    self._spawn_spare(name)
 
     def _check_children(self) -> None:
         """Restart anything that died without being killed by a fault (and say so)."""
@@ -249,13 +307,14 @@ class ChaosRun:
         self.history.append({"wall_s": time.monotonic() - self.t0, **m})
 
     def wait_until_training(self, timeout_s: float = 120.0) -> None:
-        """The fault clock starts once every learner has taken an inner step (process start
-        and compilation are not part of the experiment)."""
+        """The fault clock starts once every learner has taken an inner step and every spare is
+        warm (process start and compilation are not part of the experiment)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             recs = registry.learner_records(self.r, self.keys)
             if len(recs) >= self.cfg.learners and all(r.step >= 1
-                                                      for r in recs.values()):
+                                                      for r in recs.values()) and \
+                    all(standby_ready_file(go).exists() for _, go in self.spares.values()):
                 break
             if any(p.poll() not in (None, 0) for p in self.procs.values()):
                 raise RuntimeError(f"a process died during startup; see {self.logs}")
@@ -287,6 +346,7 @@ class ChaosRun:
             while todo and todo[0].at_s <= rel:
                 self.inject(todo.pop(0))
             self._recover(now)
+            self._start_due_spares(now)
             if "redis" not in self.down:
                 self._check_children()
             if corpus is not None and self.eval_every_s and now >= next_eval and \
@@ -306,6 +366,7 @@ class ChaosRun:
                 break
             time.sleep(0.05)
         self.t_stop = time.time()
+        self._stop_spares()
         registry.request_finish(self.r, self.keys)
 
     def finish(self, timeout_s: float = 300.0, corpus=None) -> dict:
@@ -342,7 +403,7 @@ class ChaosRun:
             "identical_final_values": len({json.dumps(h, sort_keys=True)
                                            for h in hashes.values()}) == 1 and bool(hashes),
             "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
-            "rounds_by_syncer": by_syncer,
+            "rounds_by_syncer": by_syncer, "spares_took_over": self.took_over,
             "resumes": [{"learner": f[b"learner"].decode(), "step": int(f[b"step"]),
                          "source": f[b"source"].decode(),
                          "progress": f.get(b"progress", b"0") == b"1"}

@@ -84,6 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                            help="override a field of the benchmark's configuration, e.g. "
                                 "--set model.d_model=128 (TOML value syntax)")
+            b.add_argument("--spares", action="store_true",
+                           help="every learner (both modes) has a warm spare that takes over "
+                                "when it is killed (diloco chaos --spares)")
         if name == "s2":
             b.add_argument("--variants", default=",".join(resilience.S2_VARIANTS[:3]),
                            help="comma-separated subset of: " + "; ".join(
@@ -205,7 +208,7 @@ def _resilience(args: argparse.Namespace) -> int:
     with view:
         if args.bench == "s1":
             doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
-                                down_s=args.down_s, base=base, **common)
+                                down_s=args.down_s, base=base, spares=args.spares, **common)
         else:
             doc = resilience.s2(Path(args.out), seeds, names, **common)
     d = resilience.digest(doc)

@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pace-s", type=float, default=0.1, help="inner step wall time per learner")
     p.add_argument("--standby", action="store_true",
                    help="start a second syncer (the two share the fragments; as --syncers 2)")
+    p.add_argument("--spares", action="store_true",
+                   help="a warm spare per learner (diloco learner --standby): a killed learner "
+                        "is brought back by its spare, which has its data loaded and its step "
+                        "compiled, instead of by a new process")
     p.add_argument("--syncers", type=int, default=1, metavar="N",
                    help="syncer processes sharing the fragments (default 1)")
     p.add_argument("--redis-cluster", action="store_true",
@@ -62,7 +66,7 @@ def _cli(args: argparse.Namespace) -> int:
                       title=f"chaos {run}: M={cfg.learners}") as view:
             rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
                             pace_s=args.pace_s, standby=args.standby, syncers=args.syncers,
-                            redis_cluster=args.redis_cluster,
+                            redis_cluster=args.redis_cluster, spares=args.spares,
                             progress=chaos_view(view))
     except (ValueError, OSError) as e:  # no redis-server, an unwritable --out, too few tensors
         return fail_on(e)

@@ -70,6 +70,9 @@ def test_warm_spares_bring_killed_learners_back(tmp_path):
     logs = tmp_path / "run" / "logs"
     for spare in ("L1.spare2", "L0.spare1"):
         assert "a warm spare, took over at" in (logs / f"{spare}.log").read_text()
+    assert rep["spares_not_ready"] == []
+    # L1's next spare started 10 s after it took over
+    assert (logs / "L1.spare3.log").exists()
     # the spares that never took over are not part of the run's exit codes
     assert sorted(rep["exit_codes"]) == ["L0", "L1", "syncer-0"], rep["exit_codes"]
     assert rep["rejoins"] >= 2

@@ -8,12 +8,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from helpers_broker import REPO, poll_until, run_to_the_end, store_run, syncer_cmd, tiny_config
 
 from broker import registry
 from broker.connection import connect
+from broker.keys import PREFIX
 from workers.learner import standby_ready_file
+
+
+def _keyspace(r, run: str) -> dict[bytes, bytes]:
+    """Every key of `run` (its own and its fragments') with its serialised value."""
+    return {k: r.dump(k) for k in r.scan_iter(match=f"{PREFIX}:{{{run}*", count=1000)}
 
 
 def _events(r, keys) -> list[dict[str, str]]:
@@ -22,11 +29,13 @@ def _events(r, keys) -> list[dict[str, str]]:
 
 def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_others_exit(
         tmp_path, redis_url):
-    """Real processes: a syncer, L0 and L1, and two warm spares for L1. While they wait, the
-    spares write nothing to the run. L1 is killed mid-run; one spare's file appears, it takes
-    over as L1, resumes from L1's state folder without compiling its training step again (JAX
-    logs every compilation), and the run ends with both learners on the same values. The
-    spare that was never needed exits 0 by itself once L1 has finished."""
+    """Real processes: two warm spares for L1 start first; once they are warm and waiting,
+    Redis holds exactly what it held before they started. A syncer, L0 and L1 then train; L1
+    is killed mid-run; one spare's file appears, it takes over as L1, resumes from L1's state
+    folder without compiling its training step again (JAX logs every compilation), and the run
+    ends with both learners on the same values. The other spare's file existed before it
+    started (a leftover): it removes it instead of taking over, and exits 0 by itself once L1
+    has finished."""
     r = connect(redis_url)
     steps = 160
     cfg = tiny_config(learners=2, steps=steps, sync={"quorum": 1})
@@ -35,14 +44,17 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
     base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run", "spare",
             "--state-dir", str(state), "--delay-s", "0.03"]
     go = tmp_path / "go-a"
+    (tmp_path / "go-b").touch()  # left over from an earlier takeover
+    spares = {"spare-a": [*base, "--id", "L1", "--standby", str(go)],
+              "spare-b": [*base, "--id", "L1", "--standby", str(tmp_path / "go-b")]}
     cmds = {"syncer": syncer_cmd(redis_url, "spare"), "L0": [*base, "--id", "L0"],
-            "L1": [*base, "--id", "L1"],
-            "spare-a": [*base, "--id", "L1", "--standby", str(go)],
-            "spare-b": [*base, "--id", "L1", "--standby", str(tmp_path / "go-b")]}
-    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in cmds}
+            "L1": [*base, "--id", "L1"]}
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in [*spares, *cmds]}
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+    before = _keyspace(r, "spare")
+    assert keys.config.encode() in before
     procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT,
-                                 env=env) for n, c in cmds.items()}
+                                 env=env) for n, c in spares.items()}
 
     def log_of(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text(errors="replace")
@@ -55,8 +67,13 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
         assert procs["spare-a"].poll() is None, log_of("spare-a")[-3000:]
         assert all(ready[s].read_text() == f"{procs[s].pid}\n" for s in ready)
         assert "waiting for" in log_of("spare-b")
-        spare_pids = {str(procs[s].pid) for s in ("spare-a", "spare-b")}
-        assert not [e for e in _events(r, keys) if e.get("pid") in spare_pids]
+        assert "existed before this spare started" in log_of("spare-b")
+        assert not (tmp_path / "go-b").exists()
+        time.sleep(1.5)  # a check of the run's state or two
+        assert _keyspace(r, "spare") == before  # the spares wrote nothing
+        procs.update({n: subprocess.Popen(c, cwd=REPO, stdout=logs[n],
+                                          stderr=subprocess.STDOUT, env=env)
+                      for n, c in cmds.items()})
 
         def l1_step() -> int:
             rec = registry.learner_records(r, keys).get("L1")
@@ -94,3 +111,18 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
     reports = registry.learner_final_reports(r, keys)
     assert reports["L0"].hashes == reports["L1"].hashes
     assert reports["L1"].steps == steps
+
+
+def test_an_island_that_never_joined_leaves_its_learners_heartbeat_alone(tmp_path, redis_url):
+    """A spare that fails or is stopped before it takes over closes its island: the heartbeat
+    of the learner it stands in for (alive, elsewhere) must stay."""
+    from broker.records import Heartbeat
+    from workers.island import Island, IslandConfig
+
+    r = connect(redis_url)
+    cfg = tiny_config(learners=2, steps=10)
+    keys = store_run(r, "lonely", cfg)
+    registry.heartbeat(r, keys, "L1", Heartbeat(step=5), ttl_s=30.0)
+    island = Island(IslandConfig(redis_url, "lonely", "L1", state_dir=str(tmp_path)))
+    island.close()
+    assert registry.live_learners(r, keys) == {"L1"}

@@ -318,18 +318,23 @@ class Island:
         return self._out(self._params)
 
     def close(self) -> None:
-        """Leave the run: stop the network thread, deregister, end the ZeroMQ context."""
+        """Leave the run: stop the network thread, deregister (if it ever joined), end the
+        ZeroMQ context."""
         if self._closed:
             return
         self._closed = True
+        started = self.net.is_alive() or self.net.ident is not None
         try:
-            if self.net.is_alive() or self.net.ident is not None:
+            if started:
                 self.net.close()
-            else:  # never started (start() failed early): only its socket is open
-                self.net.sub.close()
+            else:  # never started (start() failed early, or a spare that never took over)
+                self.net.close_unstarted()
         finally:
             try:
-                registry.leave(self.ctx.r, self.ctx.keys, self.id)
+                # the heartbeat is the network thread's: an island that never started it (a
+                # warm spare that did not take over) must not delete its learner's
+                if started:
+                    registry.leave(self.ctx.r, self.ctx.keys, self.id)
             finally:
                 if self._quick is not None:
                     self._quick.close()

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ import redis
 import zmq
 
 from broker import registry, signing
+from broker.connection import quick
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
@@ -97,11 +99,18 @@ class Learner:
         self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
         if cfg.poison:
             self.island.poison = (cfg.poison, cfg.poison_scale)
-        task = ctx.task
-        self.data = task.data()
-        self.opt = task.optimizer()
-        pl = self.placement
-        self.step_fn = pl.step(task, self.opt) if pl else make_step(task, self.opt)
+        self.data: Any = None  # `prepare`: after the metrics endpoint is up (it can take time)
+        self.opt: Any = None
+        self.step_fn: Any = None
+
+    def prepare(self) -> None:
+        """The task's data, optimizer and jitted step (once)."""
+        if self.step_fn is None:
+            task = self.ctx.task
+            self.data = task.data()
+            self.opt = task.optimizer()
+            pl = self.placement
+            self.step_fn = pl.step(task, self.opt) if pl else make_step(task, self.opt)
 
     def _init_opt(self, params):
         state = self.opt.init(params)
@@ -119,6 +128,7 @@ class Learner:
         spare (`--standby`) then steps at once when it takes over. Touches nothing in Redis.
         Returns the seconds it took."""
         t0 = time.monotonic()
+        self.prepare()
         flat = self.island._place({k: np.zeros(shape, np.float32)
                                    for k, shape in self.ctx.shapes.items()})
         fresh = self._init_opt(flat)
@@ -134,6 +144,7 @@ class Learner:
 
     def train(self) -> None:
         cfg, island = self.cfg, self.island
+        self.prepare()
         step_fn = self.step_fn
         params, opt_state = island.start(opt_state=self._init_opt)
         while not island.done:
@@ -174,13 +185,15 @@ def main(cfg: LearnerConfig) -> int:
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)
     if cfg.standby:
+        took = False
         try:
-            if not wait_to_take_over(learner, Path(cfg.standby)):
-                return 0
-        except BaseException:
-            learner.island.close()
-            zctx.term()
-            raise
+            took = wait_to_take_over(learner, Path(cfg.standby))
+        finally:
+            if not took:  # it never joined: closing deregisters nothing
+                learner.island.close()
+                zctx.term()
+        if not took:
+            return 0
     if cfg.metrics_port:
         from workers.metrics import learner_spec, serve, stalled
 
@@ -216,31 +229,47 @@ def wait_to_take_over(learner: Learner, go: Path) -> bool:
     `standby_ready_file` holds its pid. The
     spare writes nothing to the run while it waits, so any number may stand by; the one whose
     file appears joins as ``--id`` (resuming from ``--state-dir`` like any restart)."""
+    if go.exists():  # left from an earlier takeover attempt: it must not start this one
+        log.warning("%s: standby: removing %s, which existed before this spare started",
+                    learner.id, go)
+        go.unlink(missing_ok=True)
     warm_s = learner.warm_up()
     log.info("%s: standby: warm (imports, data, compiled step) %.1f s after the process "
              "started, step warm-up %.1f s; waiting for %s", learner.id, process_age_s() or 0.0,
              warm_s, go)
     ready = standby_ready_file(go)
-    ready.write_text(f"{os.getpid()}\n")
+    tmp = ready.with_name(ready.name + ".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, ready)
     ctx = learner.ctx
-    next_check = 0.0
-    while not go.exists():
-        now = time.monotonic()
-        if now >= next_check:
-            next_check = now + STANDBY_RUN_CHECK_S
-            try:
-                if registry.stop_requested(ctx.r, ctx.keys) or \
-                        registry.finish_requested(ctx.r, ctx.keys) or \
-                        registry.learner_finished(ctx.r, ctx.keys, learner.id):
-                    log.info("%s: standby: the run (or %s) ended before it was needed",
-                             learner.id, learner.id)
-                    ready.unlink(missing_ok=True)
-                    return False
-            except redis.RedisError as e:  # Redis down: keep waiting, the run may come back
-                log.warning("%s: standby: cannot read the run's state (%s)", learner.id, e)
-        time.sleep(STANDBY_POLL_S)
+    q = quick(ctx.r)  # a check must not hold up the takeover while Redis is unreachable
+
+    def ended() -> bool:
+        try:
+            return (registry.stop_requested(q, ctx.keys) or registry.finish_requested(q, ctx.keys)
+                    or registry.learner_finished(q, ctx.keys, learner.id))
+        except redis.RedisError as e:  # Redis down: keep waiting, the run may come back
+            log.warning("%s: standby: cannot read the run's state (%s)", learner.id, e)
+            return False
+
+    try:
+        next_check = 0.0
+        while not go.exists():
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + STANDBY_RUN_CHECK_S
+                if ended():
+                    break
+            time.sleep(STANDBY_POLL_S)
+        took = go.exists() and not ended()  # told to, and the run still needs it
+    finally:
+        q.close()
     for f in (go, ready):
         f.unlink(missing_ok=True)
+    if not took:
+        log.info("%s: standby: the run (or %s) ended before it was needed", learner.id,
+                 learner.id)
+        return False
     learner.island.startup["took_over_at_s"] = age = process_age_s()
     log.info("%s: standby: taking over %.1f s after the process started", learner.id,
              age or 0.0)
@@ -286,7 +315,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--standby", metavar="FILE", default="",
                     help="a warm spare for --id: start, load the data and compile the step, "
                          "write FILE.ready, then wait (touching nothing in the run) until FILE "
-                         "exists; remove both and join as --id. Exits 0 if the run stops first")
+                         "exists; remove both and join as --id. A FILE there at start is "
+                         "removed. Exits 0 if the run (or --id) ends first")
 
 
 def curve_client(secret: str | None, server_key: str | None) -> CurveClient | None:

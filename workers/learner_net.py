@@ -348,6 +348,12 @@ class LearnerNet(threading.Thread):
             except (redis.RedisError, *OUTAGE):
                 pass  # the log line stands; Redis being away is handled by the loop
 
+    def close_unstarted(self) -> None:
+        """Release what the constructor opened, for a thread that was never started."""
+        self.sub.close()
+        if self._acked_log is not None:
+            self._acked_log.close()
+
     def close(self, timeout_s: float = 5.0) -> None:
         self.stop_event.set()
         self.join(timeout_s)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ops.bench.quality import keyed_dict
 from ops.chaos import Fault
 from ops.lab import LabPlan, SiteSpec, plot_traffic, run_lab
 from pipeline import config as cfgmod
@@ -106,7 +107,7 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
     current: dict = {}  # the runs measured with this invocation's settings
 
     def run(name: str, cfg: RunConfig, plan: LabPlan) -> dict | None:
-        key = json.dumps({"cfg": cfgmod.to_dict(cfg), "mode": plan.mode,
+        key = json.dumps({"cfg": keyed_dict(cfg), "mode": plan.mode,
                           "sites": [vars(s) for s in plan.sites],
                           "schedule": [vars(f) for f in plan.schedule],
                           "duration": plan.duration_s}, sort_keys=True, default=str)

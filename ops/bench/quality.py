@@ -233,14 +233,21 @@ def _guard_cell(s: dict) -> str:
 KEY_NEUTRAL = {("sync", "up_feedback"): False}
 
 
-def config_key(cfg: RunConfig) -> str:
-    """A run's whole configuration (engine included) as a short hash: a finished run is
-    skipped only when its configuration is the same."""
+def keyed_dict(cfg: RunConfig) -> dict:
+    """`cfg` as a dict for a kept run's key: without the `KEY_NEUTRAL` settings at their
+    neutral values."""
     d = cfgmod.to_dict(cfg)
     for (section, name), neutral in KEY_NEUTRAL.items():
         if section in d and name in d[section] and d[section][name] == neutral:
             d[section] = {k: v for k, v in d[section].items() if k != name}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return d
+
+
+def config_key(cfg: RunConfig) -> str:
+    """A run's whole configuration (engine included) as a short hash: a finished run is
+    skipped only when its configuration is the same."""
+    return hashlib.sha256(json.dumps(keyed_dict(cfg), sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
 
 
 def _ddp_same_seed(results: dict[str, dict], summary: dict[str, dict],

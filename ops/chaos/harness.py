@@ -96,6 +96,7 @@ class ChaosRun:
         self._spares_started = 0
         self._spare_due: dict[str, float] = {}  # learner → when its next spare starts
         self.took_over: list[dict] = []  # which spare took over which learner, when
+        self.cold_restarts: list[dict] = []  # a learner's spare was not warm: a new process
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -149,19 +150,22 @@ class ChaosRun:
         self.spares[name] = (spare, go)
 
     def _bring_back(self, name: str) -> None:
-        """Restart learner or syncer `name`: a learner's warm spare takes over when it has one
-        that is running (and a new spare starts); otherwise a new process."""
+        """Restart learner or syncer `name`: a learner's spare takes over when it is warm (its
+        ready file is there); otherwise a new process (and the spare, if warming, is killed).
+        A new spare starts `SPARE_AFTER_S` later."""
         spare, go = self.spares.pop(name, ("", Path()))
-        if spare and self.procs[spare].poll() is None:
+        if spare and self.procs[spare].poll() is None and standby_ready_file(go).exists():
             self.sup.kill(name)
             go.touch()
             self.sup.procs[name] = self.sup.procs.pop(spare)
             self.sup.cmds.pop(spare, None)
             self.took_over.append({"learner": name, "spare": spare, "t": time.time()})
         else:
-            if spare:  # it died waiting: a plain restart, and a new spare
+            if spare:  # not warm yet, or it died waiting: a plain restart, and a new spare
+                self.sup.kill(spare)
                 self.sup.procs.pop(spare, None)
                 self.sup.cmds.pop(spare, None)
+                self.cold_restarts.append({"learner": name, "spare": spare, "t": time.time()})
             self.sup.kill(name)
             self.sup.spawn(name, self.restore_cmds.pop(name, None))
         if spare:  # its next spare starts a little later: not beside the restart's own work
@@ -404,6 +408,7 @@ class ChaosRun:
                                            for h in hashes.values()}) == 1 and bool(hashes),
             "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
             "rounds_by_syncer": by_syncer, "spares_took_over": self.took_over,
+            "spares_not_ready": self.cold_restarts,
             "resumes": [{"learner": f[b"learner"].decode(), "step": int(f[b"step"]),
                          "source": f[b"source"].decode(),
                          "progress": f.get(b"progress", b"0") == b"1"}

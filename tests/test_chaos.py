@@ -56,6 +56,7 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
         ("L1", "checkpoint", True)], rep["resumes"]
 
 
+@pytest.mark.slow
 def test_warm_spares_bring_killed_learners_back(tmp_path):
     """With spares (`diloco chaos --spares`) each learner has a warm `--standby` process; a
     killed learner is brought back by activating it, resuming the learner's checkpoint, with no

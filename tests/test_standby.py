@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers_broker import REPO, poll_until, run_to_the_end, store_run, syncer_cmd, tiny_config
 
 from broker import registry
@@ -27,6 +28,7 @@ def _events(r, keys) -> list[dict[str, str]]:
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.events)]
 
 
+@pytest.mark.slow
 def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_others_exit(
         tmp_path, redis_url):
     """Real processes: two warm spares for L1 start first; once they are warm and waiting,

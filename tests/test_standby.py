@@ -53,8 +53,8 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
             "L1": [*base, "--id", "L1"]}
     logs = {n: open(tmp_path / f"{n}.log", "wb") for n in [*spares, *cmds]}
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
-    before = _keyspace(r, "spare")
-    assert keys.config.encode() in before
+    keys_before = _keyspace(r, "spare")
+    assert keys.config.encode() in keys_before
     procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT,
                                  env=env) for n, c in spares.items()}
 
@@ -72,7 +72,7 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
         assert "existed before this spare started" in log_of("spare-b")
         assert not (tmp_path / "go-b").exists()
         time.sleep(1.5)  # a check of the run's state or two
-        assert _keyspace(r, "spare") == before  # the spares wrote nothing
+        assert _keyspace(r, "spare") == keys_before  # the spares wrote nothing
         procs.update({n: subprocess.Popen(c, cwd=REPO, stdout=logs[n],
                                           stderr=subprocess.STDOUT, env=env)
                       for n, c in cmds.items()})
@@ -100,7 +100,10 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
     assert not go.exists()  # the spare takes its file away
     assert not any(f.exists() for f in ready.values())
     before, after = took.split("standby: taking over", 1)
-    assert "Compiling jit(step)" in before  # the log shows compilations…
+    # the log shows compilations: one of the step (the fresh optimizer state is committed
+    # like the step's outputs and a restored one, so the first steps share one signature)…
+    assert before.count("Compiling jit(step)") == 1
+    assert log_of("L0").count("Compiling jit(step)") == 1  # a learner too
     assert "Compiling jit(step)" not in after  # …and the training step was not compiled again
     assert "a warm spare, took over at" in after
     assert "the run (or L1) ended before it was needed" in log_of("spare-b")

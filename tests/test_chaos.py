@@ -115,3 +115,15 @@ def test_redis_killed_and_restarted_then_a_long_pause_makes_contributions_stale(
                 29, **over)
     check(rep)
     assert [f["kind"] for f in rep["faults"]] == ["kill-redis", "pause-learner"]
+
+
+def test_random_schedules_are_poisson_and_a_rate_of_zero_means_none():
+    from ops.chaos import random_schedule
+
+    kills = random_schedule(1, 300.0, {"kill-learner": 30.0}, 5.0, quiet_tail_s=15.0)
+    assert kills == random_schedule(1, 300.0, {"kill-learner": 30.0}, 5.0, quiet_tail_s=15.0)
+    assert 2 <= len(kills) <= 25 and all(0 < f.at_s < 280 for f in kills)
+    assert [f.at_s for f in kills] == sorted(f.at_s for f in kills)
+    # `diloco bench s1 --kill-every-s 0`: no faults (it used to loop for ever at t = 0)
+    assert random_schedule(1, 300.0, {"kill-learner": 0.0, "pause-learner": -1.0}, 5.0,
+                           quiet_tail_s=15.0) == []

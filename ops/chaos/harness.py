@@ -165,7 +165,9 @@ class ChaosRun:
                 self.sup.kill(spare)
                 self.sup.procs.pop(spare, None)
                 self.sup.cmds.pop(spare, None)
-                self.cold_restarts.append({"learner": name, "spare": spare, "t": time.time()})
+            if spare or name in self._spare_due:  # (or its next spare has not started yet)
+                self.cold_restarts.append({"learner": name, "spare": spare or None,
+                                           "t": time.time()})
             self.sup.kill(name)
             self.sup.spawn(name, self.restore_cmds.pop(name, None))
         if spare:  # its next spare starts a little later: not beside the restart's own work

@@ -46,10 +46,13 @@ def load_schedule(path: str | Path) -> list[Fault]:
 
 def random_schedule(seed: int, duration_s: float, rates_s: dict[str, float], down_s: float,
                     quiet_tail_s: float) -> list[Fault]:
-    """Poisson faults: kind k every `rates_s[k]` seconds on average, none in the quiet tail."""
+    """Poisson faults: kind k every `rates_s[k]` seconds on average (0 or less: never), none in
+    the quiet tail."""
     rng = np.random.default_rng(seed)
     faults = []
     for kind, mean_s in sorted(rates_s.items()):
+        if not mean_s > 0:  # a mean of 0 would put every fault at t = 0, for ever
+            continue
         t = rng.exponential(mean_s)
         while t < duration_s - quiet_tail_s - down_s:
             faults.append(Fault(round(float(t), 3), kind, "", down_s))

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import numpy as np
 import redis
@@ -256,6 +256,16 @@ def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
         assert ok, why
     result = core.close(float(len(contributions)), "reference")
     return result.version, {k: quant.dequantize(q) for k, q in result.sent.items()}
+
+
+def end_processes(procs: Mapping[str, subprocess.Popen], logs: Mapping[str, IO]) -> None:
+    """Kill what still runs of `procs` and close their log files (a test's `finally`)."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for fh in logs.values():
+        fh.close()
 
 
 def run_to_the_end(procs: dict[str, subprocess.Popen], order: tuple[str, ...], logs: Path,

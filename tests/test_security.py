@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_broker import REPO
+from helpers_broker import REPO, end_processes
 
 from broker import registry
 from broker.connection import URL_ENV, connect, has_secret, redact
@@ -243,11 +243,7 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         finally:
             stop.set()
             rogue.join(10)
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-            for fh in logs.values():
-                fh.close()
+            end_processes(procs, logs)
         assert (tmp_path / "rogue-published").read_text() != "0"
         status = _cli("status", "--run", "sec", "--json", "--redis-url-file",
                       str(tmp_path / "acl" / "reader.url"))

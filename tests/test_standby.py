@@ -11,7 +11,15 @@ import sys
 import time
 
 import pytest
-from helpers_broker import REPO, poll_until, run_to_the_end, store_run, syncer_cmd, tiny_config
+from helpers_broker import (
+    REPO,
+    end_processes,
+    poll_until,
+    run_to_the_end,
+    store_run,
+    syncer_cmd,
+    tiny_config,
+)
 
 from broker import registry
 from broker.connection import connect
@@ -90,11 +98,7 @@ def test_a_warm_spare_takes_over_a_killed_learner_without_compiling_and_the_othe
         procs["L1"] = procs.pop("spare-a")
         run_to_the_end(procs, ("L0", "L1", "syncer", "spare-b"), tmp_path, timeout_s=240)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for fh in logs.values():
-            fh.close()
+        end_processes(procs, logs)
 
     took = log_of("spare-a")
     assert not go.exists()  # the spare takes its file away

@@ -17,6 +17,7 @@ from helpers_broker import (
     REPO,
     contribution_fields,
     dlq_entries,
+    end_processes,
     make_delta,
     push,
     run_to_the_end,
@@ -283,11 +284,7 @@ def test_learners_come_back_from_a_kill_during_a_checkpoint_write_and_a_truncate
         for name in ("L0b", "L1b", "syncer"):
             assert procs[name].wait(240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for fh in logs.values():
-            fh.close()
+        end_processes(procs, logs)
     ctx = open_run(redis_url, "ckpt", wait_s=0)
     reports = registry.learner_final_reports(ctx.r, ctx.keys)
     assert reports["L0"].hashes == reports["L1"].hashes

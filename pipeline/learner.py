@@ -159,13 +159,14 @@ class LearnerCore:
         theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
         delta = {n: self.base[p][n] - theta[n] for n in self.fragments[p]}
         carried = None
-        if self.cfg.up_feedback and self.cfg.codec_up != "fp32":
+        feedback = self.cfg.up_feedback and self.cfg.codec_up != "fp32"  # fp32 has no error
+        if feedback:
             carried = self.residual[p]
             if carried is not None:
                 delta = {n: delta[n] + carried[n] for n in self.fragments[p]}
         payload = {n: quant.quantize(delta[n], self.cfg.codec_up, self.cfg.quant_block)
                    for n in self.fragments[p]}
-        if self.cfg.up_feedback and self.cfg.codec_up != "fp32":
+        if feedback:
             self.residual[p] = {n: delta[n] - quant.dequantize(payload[n])
                                 for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None

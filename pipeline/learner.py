@@ -31,6 +31,14 @@ from pipeline.model import Params
 DEFER = "defer"  # merged_lookup's answer when it cannot tell now: push at the next turn
 
 
+def _seconds(v) -> float:
+    """A checkpoint's count of learner-seconds: finite and not negative."""
+    x = float(v)
+    if not np.isfinite(x) or x < 0:
+        raise ValueError(f"checkpoint holds {x!r} learner-seconds")
+    return x
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -44,6 +52,7 @@ class _InFlight:
     # up-link error feedback: the residual this push carried in (δ + carried was quantised);
     # a push that turns out not merged gives it back (`LearnerCore.residual`)
     carried: dict[str, np.ndarray] | None = None
+    seconds_at_push: float = 0.0  # the learner-seconds of work the push carried
 
     def pushed_values(self) -> dict[str, np.ndarray]:
         assert self.pushed is not None
@@ -72,6 +81,10 @@ class LearnerCore:
         self.base_version = list(base_versions)
         self.steps = [0] * P
         self.tokens = [0] * P
+        # learner-seconds of work in each fragment's progress (counted like tokens: the push
+        # carries them; a merged value that keeps the progress since the push keeps only its
+        # seconds, one that overwrites it drops them with it)
+        self.seconds = [0.0] * P
         self.inflight: list[_InFlight | None] = [None] * P
         self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
         self.applied = 0
@@ -86,11 +99,14 @@ class LearnerCore:
         # δ + e that their quantisation dropped (None: zero); it goes out with the next push
         self.residual: list[dict[str, np.ndarray] | None] = [None] * P
 
-    def after_step(self, step: int, tokens: int, params: Params) -> tuple[Params, list[Push]]:
-        """Count the step, apply merged values that are due, return the pushes that are due."""
+    def after_step(self, step: int, tokens: int, params: Params,
+                   seconds: float = 0.0) -> tuple[Params, list[Push]]:
+        """Count the step (`seconds`: the learner's time for it), apply merged values that are
+        due, return the pushes that are due."""
         for p in range(len(self.fragments)):
             self.steps[p] += 1
             self.tokens[p] += tokens
+            self.seconds[p] += seconds
         params = self.apply_due(step, params)
         pushes = []
         p = due_fragment(step, self.cfg.delta_h, len(self.fragments))
@@ -141,6 +157,7 @@ class LearnerCore:
         self.residual[p] = f.carried
         self.steps[p] -= f.steps_at_push
         self.tokens[p] -= f.tokens_at_push
+        self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
         self.inflight[p] = None
         self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
                                      for n in self.fragments[p]})
@@ -171,7 +188,8 @@ class LearnerCore:
                                 for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
-                                     self.tokens[p], payload, carried)
+                                     self.tokens[p], payload, carried,
+                                     seconds_at_push=self.seconds[p])
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
@@ -245,9 +263,11 @@ class LearnerCore:
             # the progress made since the push is kept on top of the new base: count it
             self.steps[p] -= f.steps_at_push
             self.tokens[p] -= f.tokens_at_push
+            self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
         else:
             self.steps[p] = 0
             self.tokens[p] = 0
+            self.seconds[p] = 0.0
         self.inflight[p] = None
         self.pending[p] = None
         self.applied += 1
@@ -259,7 +279,8 @@ class LearnerCore:
         """(plain JSON-able data, name → array) for a learner checkpoint: the bases, counters,
         the contribution in flight and a merged value waiting to be applied, per fragment."""
         meta: dict = {"base_version": list(self.base_version), "steps": list(self.steps),
-                      "tokens": list(self.tokens), "applied": self.applied,
+                      "tokens": list(self.tokens), "secs": list(self.seconds),
+                      "applied": self.applied,
                       "inflight": [], "pending": []}
         arrays: dict[str, np.ndarray] = {}
         for p in range(len(self.fragments)):
@@ -267,7 +288,8 @@ class LearnerCore:
             f = self.inflight[p]
             meta["inflight"].append(None if f is None else {
                 "step": f.step, "base_version": f.base_version, "steps_at_push": f.steps_at_push,
-                "tokens_at_push": f.tokens_at_push, "theta": f.theta_at_push is not None})
+                "tokens_at_push": f.tokens_at_push, "secs_at_push": f.seconds_at_push,
+                "theta": f.theta_at_push is not None})
             if f is not None and f.theta_at_push is not None:
                 arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
             if f is not None and f.pushed is not None:
@@ -318,13 +340,19 @@ class LearnerCore:
             versions = [int(v) for v in meta["base_version"]]
             steps = [int(v) for v in meta["steps"]]
             tokens = [int(v) for v in meta["tokens"]]
+            # checkpoints before the core kept seconds: the island's own keys, same names
+            seconds = [_seconds(v) for v in meta.get("secs", [0.0] * P)]
+            if len(seconds) != P:
+                raise ValueError(f"checkpoint has {len(seconds)} fragments' seconds, not {P}")
+            old_at_push = meta.get("secs_at_push", {})
             applied = int(meta.get("applied", 0))
             inflight = [None if f is None else _InFlight(
                 int(f["step"]), int(f["base_version"]),
                 group("theta_at_push", p) if f.get("theta") else None,
                 int(f["steps_at_push"]), int(f["tokens_at_push"]),
                 # older checkpoints lack it: that push, if superseded, goes out whole
-                optional("pushed", p), optional("carried", p))
+                optional("pushed", p), optional("carried", p),
+                seconds_at_push=_seconds(f.get("secs_at_push", old_at_push.get(str(p), 0.0))))
                 for p, f in enumerate(meta["inflight"])]
             # a checkpoint without residuals (older, or error feedback off): they start at zero
             residual = [optional("residual", p) for p in range(P)]
@@ -333,6 +361,7 @@ class LearnerCore:
         except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
             raise ValueError(f"checkpoint's bookkeeping is malformed: {e!r}") from None
         self.base, self.base_version, self.steps, self.tokens = bases, versions, steps, tokens
+        self.seconds = seconds
         self.applied, self.inflight, self.residual, self.pending = (applied, inflight, residual,
                                                                     pending)
 
@@ -345,6 +374,7 @@ class LearnerCore:
         self.inflight[p] = None
         self.steps[p] = 0
         self.tokens[p] = 0
+        self.seconds[p] = 0.0
         return params
 
     def forget_push(self, p: int) -> None:

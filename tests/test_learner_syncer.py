@@ -590,3 +590,64 @@ def test_error_feedback_survives_a_checkpoint_and_forgotten_pushes_give_the_resi
     with pytest.raises(ValueError, match="fragments"):
         back.load_state(longer, arrays)
     np.testing.assert_array_equal(back.residual[1][FC], carried)  # still nothing replaced
+
+
+def _timed(core, params, steps, dt=0.5):
+    """Inner steps of `dt` learner-seconds each; {step: [pushes]} as `run`."""
+    out = {}
+    for t in steps:
+        params, pushes = core.after_step(t, TOKENS, inner(params), seconds=dt)
+        if pushes:
+            out[t] = pushes
+    return params, out
+
+
+@pytest.mark.parametrize("apply", ["overwrite", "rebase"])
+def test_a_push_carries_the_seconds_of_exactly_the_progress_it_carries(apply):
+    """Seconds are counted like steps and tokens: the step-6 push of fragment 1 carries the
+    4 steps since its step-2 push was applied at step 3 under "rebase" (which keeps step 3's
+    progress), the 3 steps after it under "overwrite" (which drops it) — never the step-2
+    push's seconds again (goodput would count them twice)."""
+    core, params = make(dataclasses.replace(CFG, apply=apply))
+    params, pushes = _timed(core, params, range(1, 3))
+    assert core.seconds[1] == pytest.approx(1.0) and pushes[2][0].steps == 2
+    core.on_global(1, 1, V)
+    params, pushes = _timed(core, params, range(3, 7))
+    [p6] = pushes[6]
+    kept = 4 if apply == "rebase" else 3
+    assert p6.fragment == 1 and p6.steps == kept
+    assert core.inflight[1].seconds_at_push == pytest.approx(0.5 * kept)
+    assert core.seconds[1] == pytest.approx(0.5 * kept)
+
+
+def test_a_superseding_push_over_a_merged_one_carries_only_the_unmerged_seconds():
+    core, params = make()
+    core.merged_lookup = lambda p, f: (3, V) if (p, f.step) == (1, 2) else None
+    params, pushes = _timed(core, params, range(1, 11))
+    [push] = pushes[10]
+    assert push.steps == 8 and core.seconds[1] == pytest.approx(4.0)
+    # fragment 0's step-4 push was not merged: its 12 steps' seconds go out again whole
+    params, pushes = _timed(core, params, range(11, 13))
+    assert pushes[12][0].steps == 12 and core.seconds[0] == pytest.approx(6.0)
+
+
+def test_seconds_survive_a_checkpoint_also_one_written_before_the_core_kept_them():
+    core, params = make(dataclasses.replace(CFG, apply="rebase"))
+    params, _ = _timed(core, params, range(1, 4))
+    meta, arrays = core.state_dict()
+    back = make(dataclasses.replace(CFG, apply="rebase"))[0]
+    back.load_state(meta, arrays)
+    assert back.seconds == core.seconds == [1.5, 1.5]
+    assert back.inflight[1].seconds_at_push == 1.0
+    # the island wrote these keys before: "secs" per fragment, "secs_at_push" by fragment
+    old = {**meta, "inflight": [None if f is None else
+                                {k: v for k, v in f.items() if k != "secs_at_push"}
+                                for f in meta["inflight"]], "secs_at_push": {"1": 0.75}}
+    back.load_state(old, arrays)
+    assert back.inflight[1].seconds_at_push == 0.75
+    del old["secs"], old["secs_at_push"]  # older still: no seconds at all
+    back.load_state(old, arrays)
+    assert back.seconds == [0.0, 0.0] and back.inflight[1].seconds_at_push == 0.0
+    for bad in ([1.0, float("nan")], [1.0, -2.0], [1.0]):
+        with pytest.raises(ValueError, match="seconds"):
+            back.load_state({**meta, "secs": bad}, arrays)

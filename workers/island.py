@@ -164,7 +164,6 @@ class Island:
         # the configured Δh, not the effective one: sync-diloco (one fragment, Δh = H) then
         # checkpoints as often as decoupled, so a kill costs every mode the same redone work
         self.every = cfg.checkpoint_every or self.run_cfg.sync.delta_h
-        self.secs = [0.0] * len(self.ctx.fragments)
         self.step_s = 0.0
         self.step = 0
         self.tokens_done = 0
@@ -183,7 +182,6 @@ class Island:
         # the training thread's last sign of life: a step, or a wait on merged values (the
         # liveness probe, workers/metrics.py)
         self.last_tick = time.monotonic()
-        self._secs_at_push: dict[int, float] = {}  # secs[p] when p's push in flight went out
         self._t_last = self._t_start = self._t_first = 0.0
         # seconds after the process started: joining began, joined, first step done (and
         # took_over_at_s: when a warm spare was told to take over, `diloco learner --standby`)
@@ -268,21 +266,16 @@ class Island:
                          self.startup["join_at_s"] or 0.0, self.startup["joined_at_s"] or 0.0)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
-        for p in range(len(self.secs)):
-            self.secs[p] += dt
         flat = self._flat(params)
         self._drain_inbox()  # also without syncing: merged values must not pile up
         if self.cfg.sync:
             applied = self.core.applied
-            flat, pushes = self.core.after_step(self.step, n_tok, flat)
-            self._reset_secs()
+            flat, pushes = self.core.after_step(self.step, n_tok, flat, seconds=dt)
             for push in pushes:
                 self._send(push)
                 self._push_time[push.fragment] = time.monotonic()
-                self._secs_at_push[push.fragment] = self.secs[push.fragment]
             if self.core.blocked(self.step):
                 flat = self._wait_until_unblocked(flat)
-                self._reset_secs()
             self._check_timeouts(time.monotonic())
             if self.core.applied != applied:
                 flat = self._place(flat)
@@ -446,7 +439,6 @@ class Island:
             log.warning("%s: non-finite values in the snapshot of fragment %d", self.id, p)
             return None
         self.net.joined_at(p, header.version, values)
-        self.secs[p] = max(0.0, self.secs[p] - self._secs_at_push.get(p, 0.0))
         log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
                  "rebased onto v%d, pushing only the progress since", self.id, f.step, p,
                  rec.version, header.version)
@@ -477,7 +469,7 @@ class Island:
         if self.poison is not None:  # the poison guard's tests and benchmarks
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
-                                       seconds=self.secs[push.fragment], final=final)
+                                       seconds=self.core.seconds[push.fragment], final=final)
         fields = codec.entry_fields(meta, push.payload)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
@@ -501,11 +493,6 @@ class Island:
                 self.net.request_snapshot(p)
                 self._push_time[p] = now
 
-    def _reset_secs(self) -> None:
-        for p in range(len(self.secs)):
-            if self.core.steps[p] == 0:
-                self.secs[p] = 0.0
-
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _ckpt_path(self) -> Path | None:
@@ -518,8 +505,6 @@ class Island:
         path = self._ckpt_path()
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
-        meta["secs"] = list(self.secs)
-        meta["secs_at_push"] = {str(p): v for p, v in self._secs_at_push.items()}
         arrays = {
             "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
             "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
@@ -610,10 +595,6 @@ class Island:
             for n, v in params.items():
                 if v.shape != tuple(self.ctx.shapes[n]):
                     raise ValueError(f"theta/{n} has shape {v.shape}, not {self.ctx.shapes[n]}")
-            secs = [float(x) for x in meta.get("secs", self.secs)]
-            if len(secs) != len(self.secs):
-                raise ValueError(f"{len(secs)} fragments' seconds, not {len(self.secs)}")
-            secs_at_push = {int(p): float(v) for p, v in meta.get("secs_at_push", {}).items()}
             core_arrays = {k[len("core/"):]: z[k] for k in z.files if k.startswith("core/")}
             self.core.load_state(meta, core_arrays)
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as e:
@@ -629,7 +610,6 @@ class Island:
             elif f is not None:  # its merged value may still come: repair on the usual timeout
                 self._push_time[p] = time.monotonic()
         self._params = self._place(params)
-        self.secs, self._secs_at_push = secs, secs_at_push
         versions, values = self._joined
         for p, v in enumerate(versions):
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base

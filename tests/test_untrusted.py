@@ -35,7 +35,7 @@ from pipeline.contribution import Contribution, Drop
 from pipeline.guard import MIN_HISTORY
 from pipeline.model import is_embedding
 from pipeline.syncer import FragmentSyncer, RoundRefused
-from workers.common import open_run
+from workers.common import NpzWriter, open_run
 
 NAME = "h0.mlp.fc"
 THETA0 = {NAME: np.zeros(64, np.float32)}
@@ -231,6 +231,29 @@ def test_a_syncer_started_on_a_finished_run_exits_0(tmp_path, redis_url):
     assert "has finished" in again.stderr and time.monotonic() - t0 < 60
     ctx = open_run(redis_url, "done", wait_s=0)
     assert len(registry.learner_final_reports(ctx.r, ctx.keys)) == 2
+
+
+def test_checkpoints_are_written_off_the_training_thread_one_at_a_time(tmp_path):
+    """`NpzWriter`: submit returns before the file is written, the next submit waits for the
+    write in progress (never two at once, never an older file over a newer one), and a failed
+    write is raised by the next submit instead of passing unseen."""
+    w = NpzWriter("test")
+    path = tmp_path / "c.npz"
+    big = np.arange(4_000_000, dtype=np.float32)  # 16 MB: the write takes a while
+    w.submit(path, {"step": np.asarray(1), "x": big})
+    w.submit(path, {"step": np.asarray(2), "x": big})  # after the first is whole
+    assert w.wait(60)
+    with np.load(path) as z:
+        assert int(z["step"]) == 2 and np.array_equal(z["x"], big)
+    assert not list(tmp_path.glob(".*.tmp"))
+    w.submit(tmp_path / "missing" / "c.npz", {"step": np.asarray(3)})  # its folder is gone
+    assert w.wait(60)
+    with pytest.raises(FileNotFoundError):
+        w.submit(path, {"step": np.asarray(4)})
+    w.submit(path, {"step": np.asarray(5)})  # the error was raised once; writing goes on
+    w.close()
+    with np.load(path) as z:
+        assert int(z["step"]) == 5
 
 
 def test_learners_come_back_from_a_kill_during_a_checkpoint_write_and_a_truncated_one(

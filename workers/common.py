@@ -7,8 +7,10 @@ import argparse
 import glob
 import io
 import ipaddress
+import logging
 import os
 import sys
+import threading
 import time
 import tomllib
 import urllib.parse
@@ -27,6 +29,8 @@ from pipeline import data, quant
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Task, TaskNotNamed, param_spec, spec_task, task_of
+
+log = logging.getLogger("diloco.common")
 
 INSECURE_ENV = "DILOCO_INSECURE"  # "1": roles may run open against a Redis on another host
 
@@ -259,6 +263,51 @@ def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+class NpzWriter:
+    """`write_npz_atomic` on a thread of its own, one write at a time: `submit` waits only for
+    the previous write (so a checkpoint lags its data by at most one interval, as a synchronous
+    one that a crash interrupts does) and returns while the new one is written and fsynced.
+    A failed write is raised by the next `submit` (or logged by `close`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+
+    def submit(self, path: Path, arrays: dict[str, np.ndarray], *,
+               stall_after_half: bool = False) -> None:
+        """Write `arrays` (which the caller must not change afterwards) to `path`."""
+        self._idle.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        self._idle.clear()
+        threading.Thread(target=self._write, args=(path, arrays, stall_after_half),
+                         name=f"{self.name}-write", daemon=True).start()
+
+    def _write(self, path: Path, arrays: dict[str, np.ndarray], stall: bool) -> None:
+        try:
+            write_npz_atomic(path, arrays, stall_after_half=stall)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._error = e
+        finally:
+            self._idle.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the write in progress; False if it is still going after `timeout_s`."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let the write in progress finish (a clean stop leaves the latest file whole)."""
+        if not self.wait(timeout_s):
+            log.error("%s: a write is still in progress after %.0f s; leaving it", self.name,
+                      timeout_s)
+        elif self._error is not None:
+            log.error("%s: the last write failed: %s: %s", self.name,
+                      type(self._error).__name__, self._error)
 
 
 def stale_temps(path: Path) -> list[Path]:

@@ -55,13 +55,13 @@ from pipeline import quant, tree
 from pipeline.contribution import poisoned
 from pipeline.learner import DEFER, LearnerCore, Push
 from workers.common import (
+    NpzWriter,
     RunContext,
     decode_values,
     open_run,
     process_age_s,
     read_snapshot,
     stale_temps,
-    write_npz_atomic,
 )
 from workers.learner_net import LearnerNet, read_push_log
 
@@ -190,6 +190,7 @@ class Island:
         self._steps_here = 0
         self._closed = False
         self._checkpoints = 0
+        self._ckpt_writer = NpzWriter(f"{self.id} checkpoint")
         self.stall_in_checkpoint = 0  # fault injection (CLI learner only): see _checkpoint
         self.poison: tuple[str, float] | None = None  # fault injection: (kind, scale), _send
 
@@ -317,6 +318,7 @@ class Island:
             return
         self._closed = True
         started = self.net.is_alive() or self.net.ident is not None
+        self._ckpt_writer.close()
         try:
             if started:
                 self.net.close()
@@ -505,16 +507,19 @@ class Island:
         path = self._ckpt_path()
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
+        # copies (np.array): the writer thread reads them while the next steps run, and those
+        # may reuse the buffers of the step's outputs
         arrays = {
             "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
             "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
             "opt_leaves": np.asarray(len(leaves)),
-            **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)},
-            **{f"theta/{n}": np.asarray(v) for n, v in self._params.items()},
-            **{f"core/{k}": v for k, v in core_arrays.items()}}
+            **{f"leaf{i}": np.array(x) for i, x in enumerate(leaves)},
+            **{f"theta/{n}": np.array(v) for n, v in self._params.items()},
+            **{f"core/{k}": np.array(v) for k, v in core_arrays.items()}}
         self._checkpoints += 1
-        write_npz_atomic(path, arrays,
-                         stall_after_half=self._checkpoints == self.stall_in_checkpoint)
+        # written and fsynced off the training thread; the next checkpoint waits for this one
+        self._ckpt_writer.submit(path, arrays,
+                                 stall_after_half=self._checkpoints == self.stall_in_checkpoint)
 
     def _resume(self, opt_state: Any) -> tuple[int, int, Any]:
         """(step, tokens, optimizer state) to continue from after a restart.

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ops.chaos import random_schedule, run_chaos
+from ops.chaos.harness import SPARE_AFTER_S
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.data import run_corpus
@@ -52,12 +53,13 @@ def _quiet(_: str) -> None:
 
 def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, pace_s: float,
              corpus, delays=None, progress: Progress = _quiet, live: Live | None = None,
-             learner_args: dict[str, list[str]] | None = None, spares: bool = False) -> dict:
+             learner_args: dict[str, list[str]] | None = None, spares: bool = False,
+             spare_after_s: float = SPARE_AFTER_S) -> dict:
     run = re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("+", "p")).strip("-")
     t0 = time.monotonic()
     rep = run_chaos(cfg, out / run, run, schedule, duration_s, pace_s=pace_s,
                     delays_s=delays or {}, eval_every_s=10.0, corpus=corpus, progress=live,
-                    learner_args=learner_args, spares=spares)
+                    learner_args=learner_args, spares=spares, spare_after_s=spare_after_s)
     rep["bench_wall_s"] = time.monotonic() - t0
     rep["final_eval_loss"] = rep["history"][-1]["eval_loss"] if rep["history"] else None
     progress(f"{name:24s} goodput {rep['goodput']:.3f} availability "
@@ -68,21 +70,28 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
 
 def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
        kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet,
-       live: Live | None = None, base: RunConfig | None = None, spares: bool = False) -> dict:
+       live: Live | None = None, base: RunConfig | None = None, spares: bool = False,
+       spare_after_s: float = SPARE_AFTER_S, checkpoint_every: int = 0) -> dict:
     """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
     the kill schedule). `base`: the configuration both modes start from (default
-    `base_config`); `spares`: every learner of both modes has a warm spare
-    (`ChaosRun`). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
+    `base_config`); `spares`: every learner of both modes has a warm spare (`ChaosRun`),
+    the next one started `spare_after_s` after a takeover; `checkpoint_every`: every
+    learner's checkpoint interval in inner steps (0: the learner's default, every Δh; the
+    same for both modes either way). Writes ``s1.json`` and ``s1.png`` to `out`; returns
+    the document."""
     out.mkdir(parents=True, exist_ok=True)
     base = base or base_config()
     corpus = run_corpus(base)
+    ckpt = {f"L{m}": ["--checkpoint-every", str(checkpoint_every)]
+            for m in range(base.learners)} if checkpoint_every else None
     runs = {}
     for seed in seeds:
         schedule = random_schedule(seed, duration_s, {"kill-learner": kill_every_s},
                                    down_s, quiet_tail_s=15.0)
         runs[seed] = {mode: _variant(cfgmod.override(base, mode=mode), out / f"seed{seed}",
                                      mode, schedule, duration_s, pace_s, corpus,
-                                     progress=progress, live=live, spares=spares)
+                                     progress=progress, live=live, learner_args=ckpt,
+                                     spares=spares, spare_after_s=spare_after_s)
                       for mode in ("decoupled", "sync-diloco")}
         runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
     summary = {
@@ -104,7 +113,9 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
     summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
                                          / summary["goodput_sync_diloco_mean"])
     doc = _save(out, "s1", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
-                                           "seeds": seeds, "spares": spares}, base)
+                                           "seeds": seeds, "spares": spares,
+                                           "spare_after_s": spare_after_s,
+                                           "checkpoint_every": checkpoint_every}, base)
     _plot(out / "s1.png", runs, f"S1: learner failures (shaded), M={base.learners}")
     return doc
 

@@ -13,7 +13,8 @@ of `ops.chaos.ledger.account`.
 
 With ``spares``, every learner has a warm spare (``diloco learner --standby``): a process that
 has loaded the data and compiled the step and waits; bringing a killed learner back then
-activates its spare instead of starting a process (a new spare starts `SPARE_AFTER_S` later).
+activates its spare instead of starting a process (a new spare starts `spare_after_s` later,
+default `SPARE_AFTER_S`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class ChaosRun:
                  pace_s: float = 0.0, delays_s: dict[str, float] | None = None,
                  standby: bool = False, syncers: int = 1, eval_every_s: float = 0.0,
                  redis_cluster: bool = False,
-                 learner_args: dict[str, list[str]] | None = None, spares: bool = False):
+                 learner_args: dict[str, list[str]] | None = None, spares: bool = False,
+                 spare_after_s: float = SPARE_AFTER_S):
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.rng = np.random.default_rng(seed)
         self.pace_s = pace_s
@@ -92,6 +94,7 @@ class ChaosRun:
         self.max_crashes = 3
         # warm spares: learner → (the process standing by for it, the file that activates it)
         self.spares_on = spares
+        self.spare_after_s = spare_after_s
         self.spares: dict[str, tuple[str, Path]] = {}
         self._spares_started = 0
         self._spare_due: dict[str, float] = {}  # learner → when its next spare starts
@@ -152,7 +155,7 @@ class ChaosRun:
     def _bring_back(self, name: str) -> None:
         """Restart learner or syncer `name`: a learner's spare takes over when it is warm (its
         ready file is there); otherwise a new process (and the spare, if warming, is killed).
-        A new spare starts `SPARE_AFTER_S` later."""
+        A new spare starts `spare_after_s` later."""
         spare, go = self.spares.pop(name, ("", Path()))
         if spare and self.procs[spare].poll() is None and standby_ready_file(go).exists():
             self.sup.kill(name)
@@ -170,8 +173,8 @@ class ChaosRun:
                                            "t": time.time()})
             self.sup.kill(name)
             self.sup.spawn(name, self.restore_cmds.pop(name, None))
-        if spare:  # its next spare starts a little later: not beside the restart's own work
-            self._spare_due[name] = time.monotonic() + SPARE_AFTER_S
+        if spare:  # its next spare (by default a little later: not beside the restart's work)
+            self._spare_due[name] = time.monotonic() + self.spare_after_s
 
     def _stop_spares(self) -> None:
         """The spares are not part of the run: they are killed when training ends."""

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ops.bench import islands, lab, pipeline, quality, resilience, step
+from ops.chaos.harness import SPARE_AFTER_S
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 from pipeline.config import ConfigError
@@ -87,6 +88,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             b.add_argument("--spares", action="store_true",
                            help="every learner (both modes) has a warm spare that takes over "
                                 "when it is killed (diloco chaos --spares)")
+            b.add_argument("--spare-after-s", type=float, default=SPARE_AFTER_S, metavar="S",
+                           help="with --spares: start a learner's next spare S seconds after "
+                                "its last took over (default %(default)s)")
+            b.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                           help="every learner (both modes) checkpoints every N inner steps "
+                                "(default: every Δh steps, diloco learner's default)")
         if name == "s2":
             b.add_argument("--variants", default=",".join(resilience.S2_VARIANTS[:3]),
                            help="comma-separated subset of: " + "; ".join(
@@ -208,7 +215,9 @@ def _resilience(args: argparse.Namespace) -> int:
     with view:
         if args.bench == "s1":
             doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
-                                down_s=args.down_s, base=base, spares=args.spares, **common)
+                                down_s=args.down_s, base=base, spares=args.spares,
+                                spare_after_s=args.spare_after_s,
+                                checkpoint_every=args.checkpoint_every, **common)
         else:
             doc = resilience.s2(Path(args.out), seeds, names, **common)
     d = resilience.digest(doc)

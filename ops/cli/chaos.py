@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from broker.keys import check_run_name
 from ops.chaos import load_schedule, random_schedule, run_chaos
+from ops.chaos.harness import SPARE_AFTER_S
 from ops.cli.common import add_config_args, config_from_args, fail, fail_on, print_json
 from ops.cli.live import LiveView, chaos_view
 from ops.cluster import artifacts
@@ -31,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a warm spare per learner (diloco learner --standby): a killed learner "
                         "is brought back by its spare, which has its data loaded and its step "
                         "compiled, instead of by a new process")
+    p.add_argument("--spare-after-s", type=float, default=SPARE_AFTER_S, metavar="S",
+                   help="with --spares: start a learner's next spare S seconds after its last "
+                        "took over (default %(default)s)")
     p.add_argument("--syncers", type=int, default=1, metavar="N",
                    help="syncer processes sharing the fragments (default 1)")
     p.add_argument("--redis-cluster", action="store_true",
@@ -67,6 +71,7 @@ def _cli(args: argparse.Namespace) -> int:
             rep = run_chaos(cfg, run_dir, run, schedule, args.duration, seed=cfg.seed,
                             pace_s=args.pace_s, standby=args.standby, syncers=args.syncers,
                             redis_cluster=args.redis_cluster, spares=args.spares,
+                            spare_after_s=args.spare_after_s,
                             progress=chaos_view(view))
     except (ValueError, OSError) as e:  # no redis-server, an unwritable --out, too few tensors
         return fail_on(e)

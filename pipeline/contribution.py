@@ -26,6 +26,7 @@ class Push:
     steps: int
     tokens: int
     payload: dict[str, quant.QTensor]
+    seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
 
     @property
     def nbytes(self) -> int:

@@ -190,7 +190,8 @@ class LearnerCore:
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
                                      self.tokens[p], payload, carried,
                                      seconds_at_push=self.seconds[p])
-        return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload)
+        return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload,
+                    self.seconds[p])
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
         """Take a merged value of fragment p; False if it is not newer than what we have."""

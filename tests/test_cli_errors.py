@@ -84,6 +84,10 @@ CASES = [
     ("run --engine inprocess --out OUT --set task=gpt5", "task"),
     ("run --engine inprocess --out OUT --set sync.fragments=99", "fragments"),
     ("status --redis-url DOWN-DB99 --run x", "Redis"),
+    ("chaos --out OUT --spare-after-s 3", "needs --spares"),
+    ("chaos --out OUT --spares --spare-after-s nan", "finite"),
+    ("bench s1 --out OUT --spares --spare-after-s -1", ">= 0"),
+    ("bench s1 --out OUT --checkpoint-every -2", "--checkpoint-every"),
 ]
 
 

@@ -615,7 +615,7 @@ def test_a_push_carries_the_seconds_of_exactly_the_progress_it_carries(apply):
     params, pushes = _timed(core, params, range(3, 7))
     [p6] = pushes[6]
     kept = 4 if apply == "rebase" else 3
-    assert p6.fragment == 1 and p6.steps == kept
+    assert p6.fragment == 1 and p6.steps == kept and p6.seconds == pytest.approx(0.5 * kept)
     assert core.inflight[1].seconds_at_push == pytest.approx(0.5 * kept)
     assert core.seconds[1] == pytest.approx(0.5 * kept)
 
@@ -651,3 +651,20 @@ def test_seconds_survive_a_checkpoint_also_one_written_before_the_core_kept_them
     for bad in ([1.0, float("nan")], [1.0, -2.0], [1.0]):
         with pytest.raises(ValueError, match="seconds"):
             back.load_state({**meta, "secs": bad}, arrays)
+
+
+def test_seconds_stay_with_progress_that_stays_and_go_with_progress_that_goes():
+    """A push forgotten (never in Redis) leaves its seconds to the next push; a value merged
+    while nothing is in flight keeps them (the progress is kept); adopting the final base
+    drops them with the progress."""
+    core, params = make()
+    params, pushes = _timed(core, params, range(1, 3))
+    core.forget_push(1)
+    assert core.seconds[1] == pytest.approx(1.0)
+    core.on_global(1, 1, V)  # nothing in flight now: rebased onto it, progress kept
+    params, _ = _timed(core, params, [3])
+    assert core.base_version[1] == 1 and core.seconds[1] == pytest.approx(1.5)
+    params, pushes = _timed(core, params, range(4, 7))
+    assert pushes[6][0].seconds == pytest.approx(3.0) and pushes[6][0].steps == 6
+    core.adopt_base(1, params)
+    assert core.seconds[1] == 0.0 and core.steps[1] == 0

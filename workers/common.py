@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import tomllib
+import traceback
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,9 +268,10 @@ def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,
 
 class NpzWriter:
     """`write_npz_atomic` on a thread of its own, one write at a time: `submit` waits only for
-    the previous write (so a checkpoint lags its data by at most one interval, as a synchronous
-    one that a crash interrupts does) and returns while the new one is written and fsynced.
-    A failed write is raised by the next `submit` (or logged by `close`)."""
+    the previous write and returns while the new one is written and fsynced. A crash during a
+    write leaves the file before it whole, which is then up to two intervals behind the data
+    (one with synchronous writes). A failed write is raised by the next `submit` (or logged
+    by `close`)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -285,13 +287,18 @@ class NpzWriter:
             err, self._error = self._error, None
             raise err
         self._idle.clear()
-        threading.Thread(target=self._write, args=(path, arrays, stall_after_half),
-                         name=f"{self.name}-write", daemon=True).start()
+        try:
+            threading.Thread(target=self._write, args=(path, arrays, stall_after_half),
+                             name=f"{self.name}-write", daemon=True).start()
+        except BaseException:
+            self._idle.set()
+            raise
 
     def _write(self, path: Path, arrays: dict[str, np.ndarray], stall: bool) -> None:
         try:
             write_npz_atomic(path, arrays, stall_after_half=stall)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            traceback.clear_frames(e.__traceback__)  # they hold `arrays`: a whole checkpoint
             self._error = e
         finally:
             self._idle.set()

@@ -471,7 +471,7 @@ class Island:
         if self.poison is not None:  # the poison guard's tests and benchmarks
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
-                                       seconds=self.core.seconds[push.fragment], final=final)
+                                       seconds=push.seconds, final=final)
         fields = codec.entry_fields(meta, push.payload)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
@@ -505,6 +505,8 @@ class Island:
         atomically (temp file + rename): position, optimizer state, the parameters with
         their unpushed progress, and the sync bookkeeping (bases, counters, push in flight)."""
         path = self._ckpt_path()
+        # the write in progress ends first: never two copies of the state in host memory
+        self._ckpt_writer.wait()
         leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
         # copies (np.array): the writer thread reads them while the next steps run, and those

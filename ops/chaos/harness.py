@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import subprocess
 import time
@@ -48,6 +49,15 @@ from workers.learner import standby_ready_file
 log = logging.getLogger("diloco.chaos")
 
 SPARE_AFTER_S = 10.0  # a learner's next warm spare starts this long after the last took over
+
+
+def spare_options_problem(spares: bool, spare_after_s: float) -> str | None:
+    """What is wrong with a harness's spare options (None: nothing)."""
+    if not math.isfinite(spare_after_s) or spare_after_s < 0:
+        return f"--spare-after-s must be a finite number of seconds >= 0, not {spare_after_s}"
+    if spare_after_s != SPARE_AFTER_S and not spares:
+        return "--spare-after-s needs --spares"
+    return None
 
 
 class ChaosRun:

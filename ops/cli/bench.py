@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ops.bench import islands, lab, pipeline, quality, resilience, step
-from ops.chaos.harness import SPARE_AFTER_S
+from ops.chaos.harness import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 from pipeline.config import ConfigError
@@ -205,6 +205,12 @@ def _resilience(args: argparse.Namespace) -> int:
             base = config_from_args(args, base=resilience.base_config())
         except ConfigError as e:
             return fail(str(e))
+    if args.bench == "s1":
+        if problem := spare_options_problem(args.spares, args.spare_after_s):
+            return fail(problem)
+        if args.checkpoint_every < 0:
+            return fail(f"--checkpoint-every must be >= 1 (or 0: every Δh), not "
+                        f"{args.checkpoint_every}")
     view = LiveView(mode="quiet" if args.quiet else "auto", title=f"bench {args.bench}")
     common = {"duration_s": args.duration, "pace_s": args.pace_s, "progress": _progress,
               "live": chaos_view(view)}

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from broker.keys import check_run_name
 from ops.chaos import load_schedule, random_schedule, run_chaos
-from ops.chaos.harness import SPARE_AFTER_S
+from ops.chaos.harness import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail, fail_on, print_json
 from ops.cli.live import LiveView, chaos_view
 from ops.cluster import artifacts
@@ -60,6 +60,8 @@ def _cli(args: argparse.Namespace) -> int:
                                        quiet_tail_s=min(20.0, args.duration / 5))
     except (cfgmod.ConfigError, OSError) as e:
         return fail(str(e))
+    if problem := spare_options_problem(args.spares, args.spare_after_s):
+        return fail(problem)
     try:
         run = check_run_name(args.run or time.strftime("chaos-%Y%m%d-%H%M%S"))
     except ValueError as e:

@@ -88,6 +88,7 @@ CASES = [
     ("chaos --out OUT --spares --spare-after-s nan", "finite"),
     ("bench s1 --out OUT --spares --spare-after-s -1", ">= 0"),
     ("bench s1 --out OUT --checkpoint-every -2", "--checkpoint-every"),
+    ("bench s1 --out OUT --modes decoupled,ddp", "--modes"),
 ]
 
 

@@ -68,17 +68,21 @@ def _variant(cfg: RunConfig, out: Path, name: str, schedule, duration_s: float, 
     return rep
 
 
+S1_MODES = ("decoupled", "sync-diloco")
+
+
 def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float = 0.2,
        kill_every_s: float = 30.0, down_s: float = 5.0, progress: Progress = _quiet,
        live: Live | None = None, base: RunConfig | None = None, spares: bool = False,
-       spare_after_s: float = SPARE_AFTER_S, checkpoint_every: int = 0) -> dict:
+       spare_after_s: float = SPARE_AFTER_S, checkpoint_every: int = 0,
+       modes: tuple[str, ...] = S1_MODES) -> dict:
     """S1, learner failures: decoupled and sync-diloco side by side per seed (the seed picks
     the kill schedule). `base`: the configuration both modes start from (default
     `base_config`); `spares`: every learner of both modes has a warm spare (`ChaosRun`),
     the next one started `spare_after_s` after a takeover; `checkpoint_every`: every
     learner's checkpoint interval in inner steps (0: the learner's default, every Δh; the
-    same for both modes either way). Writes ``s1.json`` and ``s1.png`` to `out`; returns
-    the document."""
+    same for both modes either way); `modes`: a subset of `S1_MODES` (the ratios need
+    both). Writes ``s1.json`` and ``s1.png`` to `out`; returns the document."""
     out.mkdir(parents=True, exist_ok=True)
     base = base or base_config()
     corpus = run_corpus(base)
@@ -92,30 +96,28 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
                                      mode, schedule, duration_s, pace_s, corpus,
                                      progress=progress, live=live, learner_args=ckpt,
                                      spares=spares, spare_after_s=spare_after_s)
-                      for mode in ("decoupled", "sync-diloco")}
-        runs[seed]["kills"] = len(runs[seed]["decoupled"].get("faults", []))
-    summary = {
-        "goodput_decoupled_mean": _mean(r["decoupled"]["goodput"] for r in runs.values()),
-        "goodput_sync_diloco_mean": _mean(r["sync-diloco"]["goodput"] for r in runs.values()),
-        "goodput_ratio_per_seed": {s: r["decoupled"]["goodput"] / r["sync-diloco"]["goodput"]
-                                   for s, r in runs.items()},
-        "final_loss_decoupled_mean": _mean(r["decoupled"]["final_eval_loss"]
-                                           for r in runs.values()),
-        "final_loss_sync_diloco_mean": _mean(r["sync-diloco"]["final_eval_loss"]
-                                             for r in runs.values()),
-        "kills_per_seed": {s: r["kills"] for s, r in runs.items()},
+                      for mode in modes}
+        runs[seed]["kills"] = len(runs[seed][modes[0]].get("faults", []))
+    summary: dict = {"kills_per_seed": {s: r["kills"] for s, r in runs.items()}}
+    for mode in modes:
+        m = mode.replace("-", "_")
+        summary[f"goodput_{m}_mean"] = _mean(r[mode]["goodput"] for r in runs.values())
+        summary[f"final_loss_{m}_mean"] = _mean(r[mode]["final_eval_loss"]
+                                               for r in runs.values())
         # a killed learner's restart until its first contribution is merged again
-        **{f"rejoin_s_{stat}_{mode.replace('-', '_')}": agg(
-            r[mode].get(f"rejoin_s_{stat}") for r in runs.values())
-           for mode in ("decoupled", "sync-diloco")
-           for stat, agg in (("p50", _mean), ("max", _max))},
-    }
-    summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
-                                         / summary["goodput_sync_diloco_mean"])
+        for stat, agg in (("p50", _mean), ("max", _max)):
+            summary[f"rejoin_s_{stat}_{m}"] = agg(r[mode].get(f"rejoin_s_{stat}")
+                                                  for r in runs.values())
+    if set(modes) == set(S1_MODES):
+        summary["goodput_ratio_per_seed"] = {
+            s: r["decoupled"]["goodput"] / r["sync-diloco"]["goodput"] for s, r in runs.items()}
+        summary["goodput_ratio_of_means"] = (summary["goodput_decoupled_mean"]
+                                             / summary["goodput_sync_diloco_mean"])
     doc = _save(out, "s1", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
                                            "seeds": seeds, "spares": spares,
                                            "spare_after_s": spare_after_s,
-                                           "checkpoint_every": checkpoint_every}, base)
+                                           "checkpoint_every": checkpoint_every,
+                                           "modes": list(modes)}, base)
     _plot(out / "s1.png", runs, f"S1: learner failures (shaded), M={base.learners}")
     return doc
 

@@ -91,6 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             b.add_argument("--spare-after-s", type=float, default=SPARE_AFTER_S, metavar="S",
                            help="with --spares: start a learner's next spare S seconds after "
                                 "its last took over (default %(default)s)")
+            b.add_argument("--modes", default=",".join(resilience.S1_MODES),
+                           help="comma-separated subset of: " + ", ".join(resilience.S1_MODES)
+                                + " (default: both, side by side)")
             b.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                            help="every learner (both modes) checkpoints every N inner steps "
                                 "(default: every Δh steps, diloco learner's default)")
@@ -208,6 +211,11 @@ def _resilience(args: argparse.Namespace) -> int:
     if args.bench == "s1":
         if problem := spare_options_problem(args.spares, args.spare_after_s):
             return fail(problem)
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        if not modes or not set(modes) <= set(resilience.S1_MODES) or len(set(modes)) < len(
+                modes):
+            return fail(f"--modes: a comma-separated subset of {', '.join(resilience.S1_MODES)},"
+                        f" not {args.modes!r}")
         if args.checkpoint_every < 0:
             return fail(f"--checkpoint-every must be >= 1 (or 0: every Δh), not "
                         f"{args.checkpoint_every}")
@@ -223,7 +231,8 @@ def _resilience(args: argparse.Namespace) -> int:
             doc = resilience.s1(Path(args.out), seeds, kill_every_s=args.kill_every_s,
                                 down_s=args.down_s, base=base, spares=args.spares,
                                 spare_after_s=args.spare_after_s,
-                                checkpoint_every=args.checkpoint_every, **common)
+                                checkpoint_every=args.checkpoint_every, modes=modes,
+                                **common)
         else:
             doc = resilience.s2(Path(args.out), seeds, names, **common)
     d = resilience.digest(doc)

@@ -25,8 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ops.chaos import random_schedule, run_chaos
-from ops.chaos.harness import SPARE_AFTER_S
+from ops.chaos import SPARE_AFTER_S, random_schedule, run_chaos
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.data import run_corpus

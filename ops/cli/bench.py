@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ops.bench import islands, lab, pipeline, quality, resilience, step
-from ops.chaos.harness import SPARE_AFTER_S, spare_options_problem
+from ops.chaos import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 from pipeline.config import ConfigError

@@ -8,8 +8,13 @@ import time
 from dataclasses import replace
 
 from broker.keys import check_run_name
-from ops.chaos import load_schedule, random_schedule, run_chaos
-from ops.chaos.harness import SPARE_AFTER_S, spare_options_problem
+from ops.chaos import (
+    SPARE_AFTER_S,
+    load_schedule,
+    random_schedule,
+    run_chaos,
+    spare_options_problem,
+)
 from ops.cli.common import add_config_args, config_from_args, fail, fail_on, print_json
 from ops.cli.live import LiveView, chaos_view
 from ops.cluster import artifacts

@@ -53,6 +53,14 @@ class _InFlight:
     # a push that turns out not merged gives it back (`LearnerCore.residual`)
     carried: dict[str, np.ndarray] | None = None
     seconds_at_push: float = 0.0  # the learner-seconds of work the push carried
+    # a push taken up again at a restore (`LearnerCore.resume_pushed`): the step it was sent
+    # at, when `step` is the restore's (so that its merged value applies τ steps after it)
+    sent_step: int | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(base_version, step) as the push was sent: what merge and refusal records name."""
+        return self.base_version, self.step if self.sent_step is None else self.sent_step
 
     def pushed_values(self) -> dict[str, np.ndarray]:
         assert self.pushed is not None
@@ -155,9 +163,7 @@ class LearnerCore:
         # base − θ now holds the merged push's quantisation error (δ + carried − pushed) less
         # the residual it carried in: carrying that in again sends exactly the error
         self.residual[p] = f.carried
-        self.steps[p] -= f.steps_at_push
-        self.tokens[p] -= f.tokens_at_push
-        self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
+        self._count_since(p, f)
         self.inflight[p] = None
         self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
                                      for n in self.fragments[p]})
@@ -262,17 +268,24 @@ class LearnerCore:
         self.base_version[p] = version
         if self.cfg.apply == "rebase" and f is not None:
             # the progress made since the push is kept on top of the new base: count it
-            self.steps[p] -= f.steps_at_push
-            self.tokens[p] -= f.tokens_at_push
-            self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
+            self._count_since(p, f)
         else:
-            self.steps[p] = 0
-            self.tokens[p] = 0
-            self.seconds[p] = 0.0
+            self._count_none(p)
         self.inflight[p] = None
         self.pending[p] = None
         self.applied += 1
         return params
+
+    def _count_since(self, p: int, f: _InFlight) -> None:
+        """Fragment p's counters hold only the progress made since push `f` (what it carried
+        is taken by a round)."""
+        self.steps[p] -= f.steps_at_push
+        self.tokens[p] -= f.tokens_at_push
+        self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
+
+    def _count_none(self, p: int) -> None:
+        """Fragment p has no progress of its own any more (overwritten or dropped)."""
+        self.steps[p], self.tokens[p], self.seconds[p] = 0, 0, 0.0
 
     # -- checkpointing ---------------------------------------------------------------------------
 
@@ -290,7 +303,7 @@ class LearnerCore:
             meta["inflight"].append(None if f is None else {
                 "step": f.step, "base_version": f.base_version, "steps_at_push": f.steps_at_push,
                 "tokens_at_push": f.tokens_at_push, "secs_at_push": f.seconds_at_push,
-                "theta": f.theta_at_push is not None})
+                "theta": f.theta_at_push is not None, "sent_step": f.sent_step})
             if f is not None and f.theta_at_push is not None:
                 arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
             if f is not None and f.pushed is not None:
@@ -353,7 +366,8 @@ class LearnerCore:
                 int(f["steps_at_push"]), int(f["tokens_at_push"]),
                 # older checkpoints lack it: that push, if superseded, goes out whole
                 optional("pushed", p), optional("carried", p),
-                seconds_at_push=_seconds(f.get("secs_at_push", old_at_push.get(str(p), 0.0))))
+                seconds_at_push=_seconds(f.get("secs_at_push", old_at_push.get(str(p), 0.0))),
+                sent_step=None if f.get("sent_step") is None else int(f["sent_step"]))
                 for p, f in enumerate(meta["inflight"])]
             # a checkpoint without residuals (older, or error feedback off): they start at zero
             residual = [optional("residual", p) for p in range(P)]
@@ -373,10 +387,26 @@ class LearnerCore:
         for n in self.fragments[p]:
             params[n] = jnp.asarray(self.base[p][n], jnp.float32)
         self.inflight[p] = None
-        self.steps[p] = 0
-        self.tokens[p] = 0
-        self.seconds[p] = 0.0
+        self._count_none(p)
         return params
+
+    def resume_pushed(self, p: int, base_version: int, sent_step: int, step: int,
+                      params: Params) -> None:
+        """A restore from a checkpoint at `step`: fragment p was pushed after it (at
+        `sent_step`, on `base_version`; Redis acknowledged it), so that push holds all of
+        p's progress in the checkpoint. Take it as the push in flight, as if sent now with
+        δ = base − θ: its merged value (or any newer one) applies τ steps from now, keeping
+        only the progress since (``apply = "rebase"``) or none (``"overwrite"``); if it was
+        merged but the value never comes, the superseding push rebases past it
+        (`rebase_merged`); only if it was not merged does the progress go out again. The
+        residual it carried in is not known: the checkpoint's goes back if it is not
+        merged."""
+        theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
+        self.inflight[p] = _InFlight(
+            step, base_version, theta if self.cfg.apply == "rebase" else None, self.steps[p],
+            self.tokens[p], {n: self.base[p][n] - theta[n] for n in self.fragments[p]},
+            self.residual[p], seconds_at_push=self.seconds[p], sent_step=sent_step)
+        self.residual[p] = None
 
     def forget_push(self, p: int) -> None:
         """Treat fragment p's contribution in flight as never sent (its entry is not in Redis):

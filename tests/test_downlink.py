@@ -342,3 +342,85 @@ def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp
         assert "s after the process started (joining began at" in log_text
         with np.load(tmp_path / "state" / f"{name}.ckpt.npz") as z:  # residuals checkpointed
             assert any(k.startswith("core/residual") for k in z.files), z.files
+
+
+def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpoint(
+        tmp_path, redis_url):
+    """In-process islands, a real syncer process: L0 checkpoints with nothing of a fragment in
+    flight, pushes that fragment after the checkpoint, sees the push merged, and dies before
+    its next checkpoint. Restored at the checkpoint (a new island on the same state folder),
+    it takes that push from its push log as in flight: the merged value is applied and its
+    next push of the fragment carries only progress made after the restore, not the
+    checkpoint's progress a second time (which the merged push already held)."""
+    import subprocess
+
+    from helpers_broker import REPO, poll_until, syncer_cmd
+
+    from broker import registry
+    from workers.island import Island, IslandConfig
+    from workers.learner_net import read_push_log
+
+    r = connect(redis_url)
+    steps, every, lr = 40, 4, 1e-3
+    cfg = tiny_config(learners=1, steps=steps, sync={"quorum": 1})
+    keys = store_run(r, "again", cfg)
+    log = open(tmp_path / "syncer.log", "wb")
+    syncer = subprocess.Popen(syncer_cmd(redis_url, "again"), cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT)
+    icfg = IslandConfig(redis_url, "again", "L0", state_dir=str(tmp_path / "state"),
+                        checkpoint_every=every)
+    acks = tmp_path / "state" / "L0.acked.jsonl"
+
+    def step(island, params):  # a fake inner step: every value moves by −lr
+        time.sleep(0.02)
+        return island.after_step({k: v - lr for k, v in params.items()})
+
+    def settled(island, p) -> bool:  # the push in flight is acknowledged and merged
+        f = island.core.inflight[p]
+        rec = registry.merged(r, keys, "L0", p)
+        logged = acks.exists() and any("id" in a and (a["fragment"], a["step"]) == (p, f.step)
+                                       for a in read_push_log(acks))
+        return logged and rec is not None and (rec.base_version, rec.step) == f.key
+
+    try:
+        a = Island(icfg)
+        params, _ = a.start()
+        free_at_ckpt, ckpt, hit = set(), 0, None
+        while hit is None and a.step < steps:
+            params = step(a, params)
+            for p, f in enumerate(a.core.inflight):
+                if f is not None and f.step == a.step:  # pushed now: wait for its merge
+                    assert poll_until(lambda p=p: settled(a, p), 30), (tmp_path / "syncer.log"
+                                                                       ).read_text()[-3000:]
+                    if a.step % every and p in free_at_ckpt:
+                        hit = p, a.step, f.key
+            if a.step % every == 0:
+                ckpt = a.step
+                free_at_ckpt = {p for p, f in enumerate(a.core.inflight) if f is None}
+        assert hit is not None, "no push after a checkpoint with the fragment free"
+        a.close()  # dies: the merged value is never applied, no checkpoint after `ckpt`
+        p, sent, key = hit
+
+        b = Island(icfg)
+        params, _ = b.start()
+        assert b.step == ckpt < sent
+        assert b.core.inflight[p].key == key and b.core.inflight[p].step == ckpt
+        while b.core.inflight[p] is None or b.core.inflight[p].sent_step is not None:
+            params = step(b, params)
+            assert b.step < steps
+        f = b.core.inflight[p]
+        # overwrite: the merged value replaced the fragment τ steps after the restore, so the
+        # push holds the steps after that, each −lr (the checkpoint's progress would add more)
+        assert 0 < f.steps_at_push <= f.step - ckpt - cfg.sync.overlap_steps, (f, ckpt)
+        for v in f.pushed_values().values():
+            np.testing.assert_allclose(v, f.steps_at_push * lr, rtol=1e-3)
+        while not b.done:
+            params = step(b, params)
+        b.finish(params)
+        b.close()
+        assert syncer.wait(timeout=60) == 0
+    finally:
+        if syncer.poll() is None:
+            syncer.kill()
+            syncer.wait()
+        log.close()

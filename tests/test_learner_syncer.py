@@ -483,6 +483,70 @@ def test_the_pushed_delta_survives_a_checkpoint():
     assert back.inflight[1].pushed is None
 
 
+V2 = {FC: V[FC] + 1}  # a later merged value of fragment 1
+
+
+@pytest.mark.parametrize("case", ["value comes, overwrite", "value comes, rebase",
+                                  "merged, value never comes", "not merged"])
+def test_a_push_sent_after_the_checkpoint_is_not_carried_again_by_the_restored_learner(case):
+    """The learner checkpoints at step 4 (fragment 1's step-2 push already answered and
+    applied: nothing of it in flight), pushes fragment 1 at step 6 — three steps since the
+    apply, step 4 among them — and dies. Restored at step 4 with that push taken up from the
+    push log (`resume_pushed`), the checkpoint's progress goes out again only if that push
+    was not merged. Without it, the restored learner would rebase its step-4 progress onto
+    the version that merged it and push it a second time."""
+    cfg = dataclasses.replace(CFG, apply="rebase" if case == "value comes, rebase" else
+                              "overwrite")
+    core, params = make(cfg)
+    params, _ = run(core, params, range(1, 3))       # step 2: fragment 1 pushed
+    assert core.on_global(1, 1, V)
+    params, _ = run(core, params, range(3, 5))       # applied at step 3; step 4: checkpoint
+    since = 2 if cfg.apply == "rebase" else 1        # steps 3–4 kept, or step 4 after the apply
+    assert core.inflight[1] is None and core.steps[1] == since
+    meta, arrays = core.state_dict()
+    at_ckpt = dict(params)
+    _, out = run(core, dict(params), range(5, 7))
+    [x1] = out[6]                                    # the push the checkpoint does not know
+    assert (x1.fragment, x1.base_version, x1.steps) == (1, 1, since + 2)
+
+    back = LearnerCore("a", FRAGS, cfg, BASE, [0, 0])
+    back.load_state(meta, arrays)
+    back.resume_pushed(1, x1.base_version, x1.step, 4, at_ckpt)
+    assert back.inflight[1].key == (1, 6) and back.inflight[1].step == 4
+    meta2, arrays2 = back.state_dict()               # and it survives the next checkpoint
+    back = LearnerCore("a", FRAGS, cfg, BASE, [0, 0])
+    back.load_state(meta2, arrays2)
+    assert back.inflight[1].key == (1, 6)
+    asked = []
+
+    def lookup(p, f):
+        asked.append((p, *f.key))
+        return (2, V2) if case == "merged, value never comes" else None
+
+    back.merged_lookup = lookup
+    params = at_ckpt
+    if case.startswith("value comes"):
+        assert back.on_global(1, 2, V2)              # applied at step 5 = 4 + τ
+        params, out = run(back, params, range(5, 7))
+        [push] = out[6]
+        kept = 2 if case == "value comes, rebase" else 1  # rebase keeps step 5's progress
+        assert (push.base_version, push.steps, push.tokens) == (2, kept, kept * TOKENS)
+        np.testing.assert_array_equal(decoded(push)[FC], kept * G[FC])
+        np.testing.assert_array_equal(np_(params, FC), V2[FC] - kept * G[FC])
+        return
+    params, out = run(back, params, range(5, 11))    # step 10 supersedes it (10 − 4 > H)
+    assert 6 not in out and (1, 1, 6) in asked
+    [push] = out[10]
+    if case == "not merged":                         # all of it goes out: step 4 and 5…10
+        assert (push.base_version, push.steps) == (1, 7)
+        np.testing.assert_array_equal(decoded(push)[FC], 7 * G[FC])
+    else:                                            # rebased past it: 5…10 only
+        assert back.rebased_merged == 1
+        assert (push.base_version, push.steps, push.tokens) == (2, 6, 6 * TOKENS)
+        np.testing.assert_array_equal(decoded(push)[FC], 6 * G[FC])
+        np.testing.assert_array_equal(np_(params, FC), V2[FC] - 6 * G[FC])
+
+
 def test_a_lookup_that_cannot_tell_defers_the_superseding_push():
     """Redis unreachable (a partition): the learner neither waits nor pushes the merged
     progress again; the fragment's push waits for its next turn, when the lookup answers."""

@@ -416,7 +416,7 @@ class Island:
                 self._quick = quick(self.ctx.r)
             r = self._quick
             rec = registry.merged(r, self.ctx.keys, self.id, p)
-            if rec is None or (rec.base_version, rec.step) != (f.base_version, f.step):
+            if rec is None or (rec.base_version, rec.step) != f.key:
                 return None
             blob = r.get(fk.sent(rec.version)) or r.get(fk.global_)
             if blob is None:
@@ -541,7 +541,7 @@ class Island:
                     if str(z["run_hash"]) == self.ctx.run_hash:
                         step, tokens = int(z["step"]), int(z["tokens"])
                         opt_state = self._restore_opt(z, opt_state)
-                        progress = "core" in z.files and self._restore_progress(z)
+                        progress = "core" in z.files and self._restore_progress(z, step)
                         registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
                                        step=step, source="checkpoint", progress=int(progress))
                         return step, tokens, opt_state
@@ -591,11 +591,14 @@ class Island:
                   for s, x in zip(saved_leaves, like, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def _restore_progress(self, z) -> bool:
+    def _restore_progress(self, z, step: int) -> bool:
         """Resume the checkpointed parameters and sync bookkeeping instead of the snapshots read
         at join: the unpushed progress of every fragment survives the restart. A push in flight
         that Redis never acknowledged is forgotten (its progress goes out with the next push);
-        the snapshots newer than the checkpoint's bases are applied the usual way."""
+        a fragment pushed after the checkpoint (the push log says Redis acknowledged it) has
+        that push taken as in flight, since it holds all the checkpoint's progress of that
+        fragment and may have been merged (`LearnerCore.resume_pushed`); the snapshots newer
+        than the checkpoint's bases are applied the usual way."""
         try:
             meta = json.loads(str(z["core"]))
             params = {n: np.asarray(z[f"theta/{n}"], np.float32) for n in self.ctx.shapes}
@@ -611,10 +614,16 @@ class Island:
             self.core = self._new_core(values, versions)
             return False
         acked = self._acked_pushes()
+        known = set(acked)
         for p, f in enumerate(self.core.inflight):
-            if f is not None and (p, f.base_version, f.step) not in acked:
+            if f is not None and (p, *f.key) not in known:
                 self.core.forget_push(p)
-            elif f is not None:  # its merged value may still come: repair on the usual timeout
+        for p, (version, sent) in self._pushed_after(acked, step).items():
+            log.info("%s: fragment %d was pushed at step %d, after the checkpoint (step %d): "
+                     "that push is taken as in flight", self.id, p, sent, step)
+            self.core.resume_pushed(p, version, sent, step, params)
+        for p, f in enumerate(self.core.inflight):
+            if f is not None:  # its merged value may still come: repair on the usual timeout
                 self._push_time[p] = time.monotonic()
         self._params = self._place(params)
         versions, values = self._joined
@@ -622,13 +631,30 @@ class Island:
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base
         return True
 
-    def _acked_pushes(self) -> set[tuple[int, int, int]]:
-        """(fragment, base_version, step) of every push Redis acknowledged, from the log."""
+    def _acked_pushes(self) -> list[tuple[int, int, int]]:
+        """(fragment, base_version, step) of every push Redis acknowledged, in the order of the
+        log (this learner's own file; a record that does not fit is skipped with a warning)."""
         path = self._push_log
         if path is None or not path.exists():
-            return set()
-        return {(int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
-                for rec in read_push_log(path) if "id" in rec}
+            return []
+        out = []
+        for rec in read_push_log(path):
+            if not isinstance(rec, dict) or "id" not in rec:
+                continue  # an attempt (or not a record)
+            try:
+                key = (int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
+            except (KeyError, TypeError, ValueError, OverflowError):
+                log.warning("%s: skipping a malformed record of %s", self.id, path)
+                continue
+            if 0 <= key[0] < len(self.ctx.fragments):
+                out.append(key)
+        return out
+
+    @staticmethod
+    def _pushed_after(acked: list[tuple[int, int, int]], step: int) -> dict[int, tuple[int, int]]:
+        """Fragment → (base_version, step) of its last acknowledged push sent after `step` (the
+        log's order: a restarted learner's steps repeat an earlier incarnation's)."""
+        return {p: (v, s) for p, v, s in acked if s > step}
 
     # -- the end ---------------------------------------------------------------------------------
 
@@ -708,7 +734,7 @@ class Island:
         """The syncer refused the push in flight for fragment p (no merged value will come
         for it): its progress stays and goes out with the final push."""
         rec = registry.refusal(self.ctx.r, self.ctx.keys, self.id, p)
-        if rec is not None and (rec.base_version, rec.step) == (f.base_version, f.step):
+        if rec is not None and (rec.base_version, rec.step) == f.key:
             log.warning("%s: the syncer refused the push of fragment %d at step %d (%s)",
                         self.id, p, f.step, rec.reason)
             self.core.forget_push(p)

@@ -363,7 +363,7 @@ class Engine:
     def _merged_lookup(self, name: str, p: int, f) -> tuple[int, dict] | None:
         """As a distributed learner reads the merge records and a snapshot: the value of the
         version that merged learner `name`'s push in flight (the latest if no longer held)."""
-        if self._merged.get((name, p), (None, None))[:2] != (f.base_version, f.step):
+        if self._merged.get((name, p), (None, None))[:2] != f.key:
             return None
         version = self._merged[(name, p)][2]
         s = self.syncers[p]

@@ -161,8 +161,10 @@ class LearnerCore:
         pushed = f.pushed_values()
         self.base[p] = {n: self.base[p][n] - pushed[n] for n in self.fragments[p]}
         # base − θ now holds the merged push's quantisation error (δ + carried − pushed) less
-        # the residual it carried in: carrying that in again sends exactly the error
-        self.residual[p] = f.carried
+        # the residual it carried in: carrying that in again sends exactly the error. A push
+        # taken up at a restore holds no error here (its δ is exact) and the real push already
+        # carried the residual into a round: nothing to carry
+        self.residual[p] = f.carried if f.sent_step is None else None
         self._count_since(p, f)
         self.inflight[p] = None
         self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
@@ -399,8 +401,10 @@ class LearnerCore:
         only the progress since (``apply = "rebase"``) or none (``"overwrite"``); if it was
         merged but the value never comes, the superseding push rebases past it
         (`rebase_merged`); only if it was not merged does the progress go out again. The
-        residual it carried in is not known: the checkpoint's goes back if it is not
-        merged."""
+        residual the real push carried in is not known: the checkpoint's goes back if it was
+        not merged. The driver checks first that the push belongs to this run and learner,
+        is not older than the checkpoint's base, and (strict modes, which wait for its value)
+        that it was merged."""
         theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
         self.inflight[p] = _InFlight(
             step, base_version, theta if self.cfg.apply == "rebase" else None, self.steps[p],

@@ -352,6 +352,7 @@ def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpo
     it takes that push from its push log as in flight: the merged value is applied and its
     next push of the fragment carries only progress made after the restore, not the
     checkpoint's progress a second time (which the merged push already held)."""
+    import dataclasses
     import subprocess
 
     from helpers_broker import REPO, poll_until, syncer_cmd
@@ -400,11 +401,28 @@ def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpo
         assert hit is not None, "no push after a checkpoint with the fragment free"
         a.close()  # dies: the merged value is never applied, no checkpoint after `ckpt`
         p, sent, key = hit
+        # what else a state folder's log may hold, after the real record: another run's and
+        # another learner's records, an older format without the run, malformed lines
+        rec = {"id": "9-0", "fragment": p, "base_version": key[0], "learner": "L0"}
+        with acks.open("a") as fh:
+            for extra in ({"run": "another", "step": sent + 3}, {"step": sent + 4},
+                          {"run": a.ctx.run_hash, "step": sent + 5, "learner": "L9"},
+                          {"run": a.ctx.run_hash, "step": True},
+                          {"run": a.ctx.run_hash, "step": sent + 6, "fragment": 99},
+                          {"run": a.ctx.run_hash, "step": -1}):
+                fh.write(json.dumps({**rec, **extra}) + "\n")
+            fh.write("[" * 100_000 + "\n")
+        with acks.open("ab") as fh:
+            fh.write(b"\xff\xfe not UTF-8\n")
 
         b = Island(icfg)
         params, _ = b.start()
         assert b.step == ckpt < sent
         assert b.core.inflight[p].key == key and b.core.inflight[p].step == ckpt
+        assert b._resumable(p, *key) and b._resumable(p, key[0], sent + 7)  # pending, maybe
+        b.sync = dataclasses.replace(b.sync, strict=True)  # a strict learner waits for it:
+        assert b._resumable(p, *key) and not b._resumable(p, key[0], sent + 7)  # merged only
+        b.sync = dataclasses.replace(b.sync, strict=False)
         while b.core.inflight[p] is None or b.core.inflight[p].sent_step is not None:
             params = step(b, params)
             assert b.step < steps

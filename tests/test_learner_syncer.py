@@ -547,6 +547,30 @@ def test_a_push_sent_after_the_checkpoint_is_not_carried_again_by_the_restored_l
         np.testing.assert_array_equal(np_(params, FC), V2[FC] - 6 * G[FC])
 
 
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_push_taken_up_at_a_restore_and_error_feedback(merged):
+    """Up-link error feedback over a push taken up at a restore: merged, the residual the
+    checkpoint held went into a round with the real push and is not carried again; not
+    merged, it goes back and out with the next push."""
+    core, params = make(EF)
+    params, _ = run(core, params, range(1, 5))       # step 2: fragment 1 pushed (int4)
+    held = core.residual[1]                          # its quantisation error
+    assert held is not None and np.abs(held[FC]).max() > 0
+    core.resume_pushed(1, 0, 6, 4, params)           # the log: pushed again at step 6
+    assert core.residual[1] is None and core.inflight[1].carried is held
+    core.merged_lookup = lambda p, f: (2, V2) if merged else None
+    _, out = run(core, params, range(5, 11))         # step 10 supersedes it
+    [push] = out[10]
+    if merged:
+        assert core.rebased_merged == 1 and push.steps == 6
+        np.testing.assert_allclose(decoded(push)[FC] + core.residual[1][FC], 6 * G[FC],
+                                   atol=1e-6)
+    else:
+        assert push.steps == 10
+        np.testing.assert_allclose(decoded(push)[FC] + core.residual[1][FC],
+                                   10 * G[FC] + held[FC], atol=1e-6)
+
+
 def test_a_lookup_that_cannot_tell_defers_the_superseding_push():
     """Redis unreachable (a partition): the learner neither waits nor pushes the merged
     progress again; the fragment's push waits for its next turn, when the lookup answers."""

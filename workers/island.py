@@ -425,11 +425,11 @@ class Island:
                 blob, max_bytes=self.run_cfg.broker.max_payload_bytes)
         except (redis.RedisError, *OUTAGE) as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing at the fragment's next turn", self.id, f.step, p, e)
+                        "pushing at the fragment's next turn", self.id, f.key[1], p, e)
             return DEFER
         except DecodeError as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing all its progress again", self.id, f.step, p, e)
+                        "pushing all its progress again", self.id, f.key[1], p, e)
             return None
         problem = self.net.check_value(header, tensors)
         if problem or header.fragment != p or header.version < rec.version:
@@ -442,7 +442,7 @@ class Island:
             return None
         self.net.joined_at(p, header.version, values)
         log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
-                 "rebased onto v%d, pushing only the progress since", self.id, f.step, p,
+                 "rebased onto v%d, pushing only the progress since", self.id, f.key[1], p,
                  rec.version, header.version)
         return header.version, values
 
@@ -614,14 +614,15 @@ class Island:
             self.core = self._new_core(values, versions)
             return False
         acked = self._acked_pushes()
-        known = set(acked)
+        known = {key for key, _ in acked}
         for p, f in enumerate(self.core.inflight):
             if f is not None and (p, *f.key) not in known:
                 self.core.forget_push(p)
         for p, (version, sent) in self._pushed_after(acked, step).items():
-            log.info("%s: fragment %d was pushed at step %d, after the checkpoint (step %d): "
-                     "that push is taken as in flight", self.id, p, sent, step)
-            self.core.resume_pushed(p, version, sent, step, params)
+            if self._resumable(p, version, sent):
+                log.info("%s: fragment %d was pushed at step %d, after the checkpoint (step "
+                         "%d): that push is taken as in flight", self.id, p, sent, step)
+                self.core.resume_pushed(p, version, sent, step, params)
         for p, f in enumerate(self.core.inflight):
             if f is not None:  # its merged value may still come: repair on the usual timeout
                 self._push_time[p] = time.monotonic()
@@ -631,30 +632,61 @@ class Island:
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base
         return True
 
-    def _acked_pushes(self) -> list[tuple[int, int, int]]:
-        """(fragment, base_version, step) of every push Redis acknowledged, in the order of the
-        log (this learner's own file; a record that does not fit is skipped with a warning)."""
+    def _acked_pushes(self) -> list[tuple[tuple[int, int, int], bool]]:
+        """((fragment, base_version, step), of this run) of every push Redis acknowledged, in
+        the order of the log. The log is this learner's own file, read as untrusted: a line
+        that does not fit is skipped, an unreadable log counts as empty (with a warning), and
+        records of another run in the same folder are left out (older records, which do not
+        name their run, count only as acknowledgements)."""
         path = self._push_log
         if path is None or not path.exists():
             return []
+        try:
+            records = list(read_push_log(path))
+        except OSError as e:
+            log.warning("%s: push log %s is unreadable (%s); no push counts as acknowledged",
+                        self.id, path, e)
+            return []
         out = []
-        for rec in read_push_log(path):
+        for rec in records:
             if not isinstance(rec, dict) or "id" not in rec:
                 continue  # an attempt (or not a record)
-            try:
-                key = (int(rec["fragment"]), int(rec["base_version"]), int(rec["step"]))
-            except (KeyError, TypeError, ValueError, OverflowError):
+            key = tuple(rec.get(k) for k in ("fragment", "base_version", "step"))
+            if not all(type(x) is int and x >= 0 for x in key) or (
+                    key[0] >= len(self.ctx.fragments) or rec.get("learner", self.id) != self.id):
                 log.warning("%s: skipping a malformed record of %s", self.id, path)
                 continue
-            if 0 <= key[0] < len(self.ctx.fragments):
-                out.append(key)
+            run = rec.get("run")
+            if run is None or run == self.ctx.run_hash:
+                out.append((key, run is not None))
         return out
 
-    @staticmethod
-    def _pushed_after(acked: list[tuple[int, int, int]], step: int) -> dict[int, tuple[int, int]]:
-        """Fragment → (base_version, step) of its last acknowledged push sent after `step` (the
-        log's order: a restarted learner's steps repeat an earlier incarnation's)."""
-        return {p: (v, s) for p, v, s in acked if s > step}
+    def _pushed_after(self, acked: list[tuple[tuple[int, int, int], bool]],
+                      step: int) -> dict[int, tuple[int, int]]:
+        """Fragment → (base_version, step) of its last acknowledged push of this run sent after
+        checkpoint `step` on a base not older than the checkpoint's (the log's order: a
+        restarted learner's steps repeat an earlier incarnation's; an earlier incarnation's
+        push on an older base does not hold what a later one checkpointed)."""
+        return {p: (v, s) for (p, v, s), this_run in acked
+                if this_run and s > step and v >= self.core.base_version[p]}
+
+    def _resumable(self, p: int, version: int, sent: int) -> bool:
+        """May the push of fragment p (on `version`, at step `sent`) be taken as in flight?
+        Not if the syncer refused it; in strict modes, which wait for its merged value, only
+        if the syncer's merge record names it (a push Redis lost would keep it waiting); not
+        if Redis cannot say now (its progress then goes out again, as before)."""
+        try:
+            rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
+            if rec is not None and (rec.base_version, rec.step) == (version, sent):
+                return True
+            if self.sync.strict:
+                return False
+            ref = registry.refusal(self.ctx.r, self.ctx.keys, self.id, p)
+        except (redis.RedisError, *OUTAGE) as e:
+            log.warning("%s: could not check push %d of fragment %d (%s); its progress goes "
+                        "out again", self.id, sent, p, e)
+            return False
+        return ref is None or (ref.base_version, ref.step) != (version, sent)
 
     # -- the end ---------------------------------------------------------------------------------
 
@@ -736,7 +768,7 @@ class Island:
         rec = registry.refusal(self.ctx.r, self.ctx.keys, self.id, p)
         if rec is not None and (rec.base_version, rec.step) == f.key:
             log.warning("%s: the syncer refused the push of fragment %d at step %d (%s)",
-                        self.id, p, f.step, rec.reason)
+                        self.id, p, f.key[1], rec.reason)
             self.core.forget_push(p)
 
     def _wait_final_versions(self, deadline: float) -> dict[int, int]:

@@ -42,11 +42,12 @@ log = logging.getLogger("diloco.learner")
 
 def read_push_log(path: Path):
     """The records of a learner's push log (attempts, acknowledgements), in order; a last line
-    cut short by a crash is skipped (that XADD's result was never recorded)."""
-    for line in path.read_text().splitlines():
+    cut short by a crash is skipped (that XADD's result was never recorded), and so is any
+    other line that is not JSON (bytes that are not UTF-8 included)."""
+    for line in path.read_text(errors="replace").splitlines():
         try:
             yield json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
 
 
@@ -108,6 +109,7 @@ class LearnerNet(threading.Thread):
         if self._acked_log is not None:
             self._acked_log.write(json.dumps({
                 "attempt": True, "fragment": fragment, "learner": self.id,
+                "run": self.ctx.run_hash,
                 "base_version": int(fields["base_version"]), "step": int(fields["step"]),
                 "t": time.time()}) + "\n")
         self.outbox.put((fragment, fields))
@@ -223,6 +225,7 @@ class LearnerNet(threading.Thread):
         if self._acked_log is not None:  # the chaos harness's independent record of acks
             self._acked_log.write(json.dumps({
                 "id": entry_id, "fragment": fragment, "learner": self.id,
+                "run": self.ctx.run_hash,
                 "base_version": int(fields["base_version"]), "step": int(fields["step"]),
                 "repush": repush, "t": time.time()}) + "\n")
 

@@ -546,7 +546,7 @@ class LearnerFinal(_JsonRecord):
 class Refusal(_JsonRecord):
     """The syncer refused a learner's push (`pipeline.contribution.Drop`: stale, the poison
     guard, …): the push's base version and step, and the reason. A learner waiting for the
-    merged value of that push (the final flush) stops waiting."""
+    merged value of that push (the final flush, or a blocking mode's wait) stops waiting."""
 
     base_version: int = 0
     step: int = 0

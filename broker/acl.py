@@ -5,7 +5,8 @@ role       may
 =========  ===================================================================================
 learner    append to the run's fragment streams with XADD only (and read them back: a
            restarted learner checks which of its pushes arrived); write its heartbeat (the
-           ``learners`` hash, its ``hb:<id>`` key), events and end-of-run reports; read the
+           ``learners`` hash, its ``hb:<id>`` key), claim its epoch (``epoch:<id>``), events
+           and end-of-run reports; read the
            configuration, the syncer endpoints, global values and snapshots, its refusals,
            the stop/finish flags, which of its pushes were merged.
            Nothing else: no syncer state, leases, round records, dead letters, configuration
@@ -27,7 +28,9 @@ Limits of Redis ACLs, stated: a hash is one key, so a learner allowed to write i
 in the shared ``learners`` hash can write another learner's field too (records are validated
 when read, and the heartbeat is what the learner itself declares); a learner may append
 entries in another learner's name to the run's streams (signed contributions, not ACLs, are
-what stops that).
+what stops that); and a learner, which claims its own epoch when it joins (``epoch:<id>``), can
+raise another learner's epoch too, fencing that learner's pushes until it restarts — a
+disruption the ``learner`` ACL user cannot be kept from, like overwriting a heartbeat.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def key_rules(run: str, role: str) -> list[str]:
                 f"~{keys.refused}", f"~{keys.merged}", f"~{frag}:*"]
     return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}", f"%R~{keys.merged}",
             f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
-            f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
+            f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.epoch('*')}",
+            f"~{keys.done}",
             f"%W~{keys.events}"]
 
 

@@ -61,7 +61,10 @@ class EntryMeta:
 
     ``seconds`` is the learner wall time the contribution's steps took (goodput accounting;
     None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
-    flush). A learner reports both; an entry without them is a plain contribution.
+    flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
+    is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
+    0: none, an entry of a version before epochs): a syncer fences entries of an older epoch
+    than the learner id's latest.
     """
 
     learner: str
@@ -74,13 +77,14 @@ class EntryMeta:
     # bookkeeping of the run, not of the contribution: equality leaves them out
     seconds: float | None = field(default=None, compare=False)
     final: bool = field(default=False, compare=False)
+    epoch: int = field(default=0, compare=False)
 
     @classmethod
     def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
-                final: bool = False) -> EntryMeta:
+                final: bool = False, epoch: int = 0) -> EntryMeta:
         """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
         return cls(learner, push.fragment, push.base_version, push.step, push.steps,
-                   push.tokens, codec, seconds, final)
+                   push.tokens, codec, seconds, final, epoch)
 
     def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
                      nbytes: int = 0) -> Contribution:
@@ -679,7 +683,7 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
     Returns:
         The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
         sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
-        ``meta.seconds`` is reported.
+        ``meta.seconds`` is reported, and ``epoch`` when it is not 0.
 
     Raises:
         ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
@@ -688,7 +692,7 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         raise ValueError(f"unknown codec {meta.codec!r}")
     if not isinstance(meta.learner, str) or not meta.learner:
         raise ValueError("learner must be a non-empty str")
-    for name in _ENTRY_INT_FIELDS:
+    for name in (*_ENTRY_INT_FIELDS, "epoch"):
         value = getattr(meta, name)
         if not _is_int(value) or not 0 <= value < 10**19:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -709,6 +713,7 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
         **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
                                             "final": "1" if meta.final else "0"}),
+        **({"epoch": int(meta.epoch)} if meta.epoch else {}),
     }
 
 
@@ -805,8 +810,8 @@ def parse_entry(
     """Decode a Redis stream entry built by :func:`entry_fields`.
 
     Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
-    Fields beyond the known ones are ignored; ``seconds`` and ``final`` may be absent (None,
-    no).
+    Fields beyond the known ones are ignored; ``seconds``, ``final`` and ``epoch`` may be
+    absent (None, no, 0).
 
     Args:
         fields: The entry's fields.
@@ -828,6 +833,7 @@ def parse_entry(
     meta = EntryMeta(
         learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
         seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
+        epoch=_int_field(fields, "epoch") if _optional(fields, "epoch") is not None else 0,
     )
     if meta.codec not in CODECS:
         raise DecodeError(f"unknown codec {_r(meta.codec)}")

@@ -15,3 +15,8 @@ class DecodeError(BrokerError):
 
 class ConfigMismatch(BrokerError):
     """A process's run configuration hash differs from the one stored for the run."""
+
+
+class Superseded(BrokerError):
+    """Another process joined the run as this learner (a newer epoch of its id): this one must
+    stop, and leave the learner's records to the newer process."""

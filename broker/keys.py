@@ -20,6 +20,12 @@ key                                   type      contents
                                                 tokens, tokens/s, step time, versions, loss,
                                                 bytes): ``broker.records.Heartbeat``
 ``ddl:{<run>}:hb:<learner>``          string    ``1`` with a TTL: the learner is live while set
+``ddl:{<run>}:epoch:<learner>``       string    the learner id's epoch: incremented by every
+                                                process that joins as that learner; pushes
+                                                carry it, and a push of an older epoch is
+                                                fenced (``broker.registry.claim_epoch``)
+``ddl:{<run>}:epoch:<learner>:sig``   string    ``<epoch>:<hex>``: the latest claim signed
+                                                with the learner's key (signed runs)
 ``ddl:{<run>}:syncers``               hash      syncer id → JSON (PUB endpoint, fragments,
                                                 rounds, last reason, heartbeat time)
 ``ddl:{<run>}:members``               set       ids of the syncers that share the fragments
@@ -106,12 +112,19 @@ class RunKeys:
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
+        self._epoch = f"{base}:epoch:"
         self._member = f"{base}:member:"
         # where versions before the final key names kept the configuration
         self.legacy_config = f"{PREFIX}:{run}:config"
 
     def heartbeat(self, learner: str) -> str:
         return self._hb + learner
+
+    def epoch(self, learner: str) -> str:
+        return f"{self._epoch}{learner}"
+
+    def epoch_sig(self, learner: str) -> str:
+        return f"{self._epoch}{learner}:sig"
 
     def member(self, syncer: str) -> str:
         return self._member + syncer

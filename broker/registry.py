@@ -8,6 +8,7 @@ several keys accept a `pipe` so callers can make them atomic.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import redis
 
+from broker import signing
 from broker.errors import BrokerError, ConfigMismatch, DecodeError
 from broker.ids import as_text
 from broker.keys import RunKeys
@@ -116,6 +118,58 @@ def heartbeat(r: redis.Redis, keys: RunKeys, learner: str, info: Heartbeat, ttl_
     p.hset(keys.learners, learner, dataclasses.replace(info, t=time.time()).to_json())
     if pipe is None:
         p.execute()
+
+
+def claim_epoch(r: redis.Redis, keys: RunKeys, learner: str, sign_key: bytes | None = None
+                ) -> int:
+    """A new epoch of `learner` for the process joining as it. Every push carries its
+    process's epoch; a process looks for a newer one before it pushes (`newer_epoch`) and
+    stops when there is one (:class:`broker.errors.Superseded`), and a syncer that has seen a
+    learner's entry of some epoch dead-letters its entries of older ones: two processes
+    running under one learner id (a partitioned learner coming back while its replacement
+    runs) never both contribute. With `sign_key` (signed runs) the claim is also stored signed,
+    and only a signed claim makes another process of the learner stand down."""
+    epoch = int(r.incr(keys.epoch(learner)))
+    if sign_key is not None:
+        r.set(keys.epoch_sig(learner),
+              f"{epoch}:{signing.sign_epoch(sign_key, keys.run, learner, epoch)}")
+    return epoch
+
+
+def _epoch_value(raw: Any) -> int | None:
+    """A stored epoch; None if it is not a decimal integer of at most 19 digits."""
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    if isinstance(text, str) and 0 < len(text) <= 19 and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def learner_epoch(r: redis.Redis, keys: RunKeys, learner: str) -> int | None:
+    """The latest epoch claimed for `learner` (None: none, or not a number)."""
+    return _epoch_value(r.get(keys.epoch(learner)))
+
+
+def newer_epoch(r: redis.Redis, keys: RunKeys, learner: str, own: int,
+                sign_key: bytes | None = None) -> int | None:
+    """An epoch of `learner` newer than `own` that a process has claimed, or None. With
+    `sign_key`, only a claim signed with it counts: a learner user can write any learner's
+    epoch keys, but not sign for another learner (a forged or malformed claim is logged and
+    ignored; the syncers' fence does not depend on it)."""
+    if sign_key is None:
+        latest = learner_epoch(r, keys, learner)
+        return latest if latest is not None and latest > own else None
+    raw = r.get(keys.epoch_sig(learner))
+    if raw is None:
+        return None
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    epoch, _, sig = text[:128].partition(":")
+    value = _epoch_value(epoch)
+    if value is None or not hmac.compare_digest(
+            sig.encode(), signing.sign_epoch(sign_key, keys.run, learner, value).encode()):
+        log.warning("learner %r: an epoch claim that is not signed with its key: %r (ignored)",
+                    learner, text[:64])
+        return None
+    return value if value > own else None
 
 
 def leave(r: redis.Redis, keys: RunKeys, learner: str) -> None:

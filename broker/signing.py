@@ -76,6 +76,13 @@ def _record_message(run: str, kind: str, learner: str, rec: Any) -> bytes:
     return _message(run, {"kind": kind, "learner": learner, "record": text})
 
 
+def sign_epoch(key: bytes, run: str, learner: str, epoch: int) -> str:
+    """The hex signature of `learner`'s claim of `epoch` (``broker.registry.claim_epoch``):
+    only a process holding the learner's key can make another one of it stand down."""
+    return hmac.new(key, _message(run, {"kind": "epoch", "learner": learner,
+                                        "epoch": str(int(epoch))}), hashlib.sha256).hexdigest()
+
+
 def sign_record(key: bytes, run: str, kind: str, learner: str, rec: Any) -> Any:
     """`rec` (a report of `broker.records` with a ``sig`` field) signed by its learner."""
     sig = hmac.new(key, _record_message(run, kind, learner, rec), hashlib.sha256).hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import random
 import re
@@ -127,6 +128,24 @@ def test_entry_round_trip_with_redis_bytes(codec_name: str) -> None:
     # str keys / int values (as a caller building the dict by hand would) also work.
     got_meta2, _ = parse_entry(fields)
     assert got_meta2 == meta
+
+
+def test_an_entry_carries_its_learner_process_epoch() -> None:
+    """The epoch goes on the wire only when set (an entry without one reads as epoch 0, as
+    entries written before epochs do); a malformed epoch is refused like any bad field."""
+    tensors = _tensors("int4")
+    plain = entry_fields(META, tensors)
+    assert "epoch" not in plain and parse_entry(_redis_style(plain))[0].epoch == 0
+    meta = dataclasses.replace(META, epoch=7)
+    fields = entry_fields(meta, tensors)
+    assert fields["epoch"] == 7
+    got, _ = parse_entry(_redis_style(fields))
+    assert got.epoch == 7 and got == META  # bookkeeping: not part of the entry's identity
+    for bad in (b"-1", b"x", b"1.5", b"", b"9" * 20):
+        with pytest.raises(DecodeError, match="epoch"):
+            parse_entry({**_redis_style(fields), b"epoch": bad})
+    with pytest.raises(ValueError, match="epoch"):
+        entry_fields(dataclasses.replace(META, epoch=-1), tensors)
 
 
 def test_entry_fields_rejects_codec_mismatch_and_bad_meta() -> None:

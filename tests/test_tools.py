@@ -34,7 +34,7 @@ from pipeline.model import is_embedding, param_shapes
 ENTRY_KEYS = {"id", "fragment", "learner", "base_version", "step", "steps", "tokens", "codec",
               "payload_bytes", "entry_bytes", "seconds", "final", "age_s", "pending", "consumer",
               "deliveries", "idle_s", "state", "version", "dropped_reason", "dead_letter",
-              "dlq_reason", "source_id"}
+              "dlq_reason", "source_id", "epoch"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -98,6 +98,7 @@ def test_inspect_lists_entries_of_every_fragment(finished, capsys):
         assert f["shown"] == f["length"] == len(f["entries"]) > 0
         for e in f["entries"]:
             assert set(e) == ENTRY_KEYS
+            assert e["epoch"] >= 1  # each learner process claims one when it joins
             assert e["fragment"] == f["fragment"]
             assert e["codec"] == finished.cfg.sync.codec_up
             assert e["payload_bytes"] > 0 and e["entry_bytes"] > e["payload_bytes"]

@@ -48,7 +48,7 @@ import zmq
 
 from broker import codec, registry, signing
 from broker.connection import OUTAGE, quick
-from broker.errors import BrokerError, DecodeError
+from broker.errors import BrokerError, DecodeError, Superseded
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
 from pipeline import quant, tree
@@ -172,6 +172,7 @@ class Island:
         self.steady_steps_per_s = 0.0
         self.report: LearnerFinal | None = None
         self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
+        self.epoch = 0  # this process's epoch of its learner id, claimed on joining
         self._quick: redis.Redis | None = None  # fail-fast reads of the training loop
         self._params: dict[str, Any] | None = None  # flat, as of the last after_step
         self._treedef: Any = None
@@ -328,7 +329,8 @@ class Island:
             try:
                 # the heartbeat is the network thread's: an island that never started it (a
                 # warm spare that did not take over) must not delete its learner's
-                if started:
+                # nor may one superseded by a newer process of its learner id
+                if started and self.net.superseded is None:
                     registry.leave(self.ctx.r, self.ctx.keys, self.id)
             finally:
                 if self._quick is not None:
@@ -374,6 +376,10 @@ class Island:
         # the last heartbeat of a previous incarnation, read before ours overwrites it
         self._prior = registry.learner_records(self.ctx.r, self.ctx.keys).get(self.id)
         prior = {"step": self._prior.step, "tokens": self._prior.tokens} if self._prior else {}
+        # from now on an older process running as this learner pushes nothing more
+        self.net.sign_key = self.cfg.sign_key
+        self.epoch = self.net.epoch = registry.claim_epoch(self.ctx.r, self.ctx.keys, self.id,
+                                                           self.cfg.sign_key)
         self.net.report(**prior, **self._identity())
         self.net.start()
         values: dict[str, np.ndarray] = {}
@@ -448,6 +454,9 @@ class Island:
 
     def _check_net(self) -> None:
         """Fail loudly if the network thread died (a learner must not train on unsynced)."""
+        if self.net.superseded is not None and not self._closed:
+            raise Superseded(f"{self.id}: another process joined the run as this learner "
+                             f"(epoch {self.net.superseded}; this one {self.epoch}): stopping")
         if self.net.ident is not None and not self.net.is_alive() and not self._closed:
             raise BrokerError(f"{self.id}: the network thread stopped unexpectedly (see the "
                               f"log above)")
@@ -471,7 +480,7 @@ class Island:
         if self.poison is not None:  # the poison guard's tests and benchmarks
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
-                                       seconds=push.seconds, final=final)
+                                       seconds=push.seconds, final=final, epoch=self.epoch)
         fields = codec.entry_fields(meta, push.payload)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)

@@ -26,6 +26,7 @@ import zmq
 
 from broker import registry, signing
 from broker.connection import quick
+from broker.errors import Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
@@ -175,6 +176,7 @@ class Learner:
 # /healthz fails when the training loop has not stepped (or waited on a merged value) for
 # max(this, 20 steps)
 LIVENESS_MIN_S = 120.0
+EXIT_SUPERSEDED = 3  # another process joined the run as this learner id: this one stopped
 
 
 def main(cfg: LearnerConfig) -> int:
@@ -213,6 +215,9 @@ def main(cfg: LearnerConfig) -> int:
         if not learner.island.net.stop_seen:
             learner.island.finish()
         return 0
+    except Superseded as e:  # another process runs as this learner now: it carries on
+        log.error("%s", e)
+        return EXIT_SUPERSEDED
     finally:
         learner.island.close()
         zctx.term()

@@ -90,6 +90,9 @@ class LearnerNet(threading.Thread):
         self.stop_event = threading.Event()
         self.stop_seen = False
         self.finish_seen = False
+        self.epoch = 0  # this process's epoch of its learner id (set at the join)
+        self.sign_key: bytes | None = None  # signed runs: only a signed newer claim counts
+        self.superseded: int | None = None  # a newer epoch seen: this thread stopped
         self._unsent: list[tuple[int, dict]] = []
         self._last_version: dict[int, int] = {}
         self._lock = threading.Lock()  # _last_version and _ref: joined_at runs in the trainer
@@ -174,6 +177,8 @@ class LearnerNet(threading.Thread):
                     self.finish_seen = registry.finish_requested(self.ctx.r, self.ctx.keys)
                     next_ep = now + 1.0
                 if now >= next_hb:
+                    if self._superseded():
+                        return
                     registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, Heartbeat(
                         **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s)
                     next_hb = now + self.bcfg.heartbeat_s
@@ -201,7 +206,27 @@ class LearnerNet(threading.Thread):
                 "bytes_sent": s.bytes_sent, "bytes_received": self.bytes_received,
                 "snapshots_read": s.snapshots_read}
 
+    def _superseded(self) -> bool:
+        """Whether a newer process has joined as this learner (a newer epoch in Redis): then
+        this thread stops for good — no push, no heartbeat — and the island raises
+        `Superseded` at its next look. Read before every heartbeat and every batch of
+        pushes, so a partitioned learner coming back pushes nothing once replaced."""
+        if not self.epoch:
+            return False
+        latest = registry.newer_epoch(self.ctx.r, self.ctx.keys, self.id, self.epoch,
+                                      self.sign_key)
+        if latest is None:
+            return False
+        self.superseded = latest
+        log.error("%s: another process joined the run as this learner (epoch %d, this one %d):"
+                  " stopping, %d pushes not sent", self.id, latest, self.epoch,
+                  len(self._unsent) + self.outbox.qsize())
+        self.stop_event.set()
+        return True
+
     def _send_pushes(self) -> None:
+        if (self._unsent or not self.outbox.empty()) and self._superseded():
+            return
         while True:
             if not self._unsent:
                 try:

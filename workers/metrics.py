@@ -128,6 +128,8 @@ def syncer_spec(syncer) -> Spec:
         "duplicated": ("counter", "duplicate pushes recognised", lambda: syncer.stats.duplicated),
         "dead_lettered": ("counter", "entries moved to a dead-letter stream",
                           lambda: syncer.stats.dead_lettered),
+        "fenced": ("counter", "entries of a superseded learner process (dead-lettered)",
+                   lambda: syncer.stats.fenced),
         "lost": ("counter", "pending entries deleted before merging", lambda: syncer.stats.lost),
         "quorum_wait_seconds": ("gauge", "last round: first arrival to quorum",
                                 lambda: syncer.stats.quorum_wait_s),

@@ -113,6 +113,7 @@ class SyncerStats:
     dropped: int = 0         # contributions refused (stale, duplicate, invalid)
     duplicated: int = 0      # duplicate pushes recognised
     dead_lettered: int = 0   # entries moved to a dead-letter stream
+    fenced: int = 0          # of those: entries of a superseded learner process (an old epoch)
     lost: int = 0            # pending entries deleted before merging
     quorum_wait_s: float = 0.0   # last round: first arrival to quorum
     grace_wait_s: float = 0.0    # last round: quorum to close
@@ -185,6 +186,8 @@ class Syncer:
         self._hasher: ThreadPoolExecutor | None = None
         # learner → the most tokens one of its steps may claim (its heartbeat's declaration)
         self.declared: dict[str, int] = {}
+        # learner → the newest epoch of its entries seen: entries of older epochs are fenced
+        self.epochs: dict[str, int] = {}
         self.known: frozenset[str] = frozenset()  # learners with a heartbeat record
 
     # -- start -----------------------------------------------------------------------------------
@@ -456,6 +459,8 @@ class Syncer:
         except (DecodeError, ValueError) as err:
             self._dead_letter(e, f"malformed entry: {err}")
             return
+        if self._fenced(e, meta):
+            return
         c = meta.contribution(tensors, entry_id=e.entry_id,
                               nbytes=len(e.fields.get(b"payload", b"")))
         limit = self.declared.get(meta.learner) or self.ctx.task.tokens_per_step()
@@ -482,6 +487,20 @@ class Syncer:
                                    reason)
             f.ack_extra.append(e.entry_id)
             self.stats.dropped += 1
+
+    def _fenced(self, e: Entry, meta: codec.EntryMeta) -> bool:
+        """Dead-letter an entry of a learner process superseded by a newer one of the same id
+        (an older epoch than the newest this syncer has seen of it): two processes running
+        as one learner must not both contribute. Not a refusal: the learner id's refusal
+        record belongs to the newer process."""
+        newest = self.epochs.get(meta.learner, 0)
+        if meta.epoch >= newest:
+            self.epochs[meta.learner] = meta.epoch
+            return False
+        self.stats.fenced += 1
+        self._dead_letter(e, f"fenced: learner {meta.learner!r} epoch {meta.epoch}, superseded "
+                             f"by its epoch {newest} (another process joined as this learner)")
+        return True
 
     @staticmethod
     def _defer_unparsed(f: _Frag, e: Entry) -> bool:

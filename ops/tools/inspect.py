@@ -153,6 +153,7 @@ def _entry_record(p: int, entry_id: str, fields: dict, now_s: float) -> dict[str
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
         "entry_bytes": sum(len(k) + len(v) for k, v in fields.items()),
         "seconds": _float(fields, "seconds"), "final": _int(fields, "final") == 1,
+        "epoch": _int(fields, "epoch"),
         "age_s": max(0.0, now_s - id_ms(entry_id) / 1000.0),
         "pending": False, "consumer": None, "deliveries": None, "idle_s": None,
         "state": "acked", "version": None, "dropped_reason": None,
@@ -211,7 +212,8 @@ def collect(redis_url: str, run: str, fragment: int | None = None,
         ``pending`` (group PEL size), ``last_delivered_id``, ``version`` (latest round's,
         or None), ``shown`` and ``entries``. Each entry: ``id``, ``fragment``, ``learner``,
         ``base_version``, ``step``, ``steps``, ``tokens``, ``codec``, ``payload_bytes``,
-        ``entry_bytes`` (all fields), ``seconds``, ``final``, ``age_s``, ``pending``,
+        ``entry_bytes`` (all fields), ``seconds``, ``final``, ``epoch`` (its learner
+        process's epoch; None: the entry has none), ``age_s``, ``pending``,
         ``consumer``, ``deliveries`` and ``idle_s`` (from XPENDING; None unless pending),
         ``state`` (``unread`` | ``pending`` | ``merged`` | ``dropped`` | ``acked`` |
         ``dead_letter``), ``version`` (of the round that merged or dropped it),
@@ -288,12 +290,13 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
 
     Returns:
         ``{"run", "fragment", "id", "dead_letter", "dlq_reason", "learner", "base_version",
-        "step", "steps", "tokens", "codec", "payload_bytes", "decode_error", "tensors",
-        "total"}``: ``decode_error`` is None or the reason the payload did not decode (then
-        ``tensors`` is empty); each tensor has ``name``, ``codec``, ``block``, ``shape``,
-        ``numel``, ``wire_bytes``, ``l2_norm``, ``min``, ``max``, ``mean_abs`` (after
-        dequantising, over finite values), ``finite`` and ``nonfinite`` (count); ``total``
-        has ``numel``, ``l2_norm`` (of all tensors together) and ``finite``.
+        "step", "steps", "tokens", "epoch", "codec", "payload_bytes", "decode_error",
+        "tensors", "total"}`` (``epoch`` None: the entry has none): ``decode_error`` is None
+        or the reason the payload did not decode (then ``tensors`` is empty); each tensor
+        has ``name``, ``codec``, ``block``, ``shape``, ``numel``, ``wire_bytes``,
+        ``l2_norm``, ``min``, ``max``, ``mean_abs`` (after dequantising, over finite values),
+        ``finite`` and ``nonfinite`` (count); ``total`` has ``numel``, ``l2_norm`` (of all
+        tensors together) and ``finite``.
 
     Raises:
         KeyError: No such entry in the fragment's stream or dead-letter stream.
@@ -315,7 +318,7 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
         "run": run, "fragment": fragment, "id": entry_id, "dead_letter": dead,
         "dlq_reason": as_text(fields.get(b"dlq_reason")),
         "learner": as_text(fields.get(b"learner")),
-        **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens")},
+        **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens", "epoch")},
         "codec": as_text(fields.get(b"codec")),
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
         "decode_error": None, "tensors": [], "total": {"numel": 0, "l2_norm": 0.0,
@@ -390,7 +393,8 @@ def render_entry(rep: dict[str, Any]) -> str:
     lines = [f"fragment {rep['fragment']} entry {rep['id']}{tag}: learner {_v(rep['learner'])}, "
              f"base v{_v(rep['base_version'])}, {_v(rep['steps'])} steps, "
              f"{_v(rep['tokens'])} tokens, {_v(rep['codec'])}, payload "
-             f"{_size(rep['payload_bytes'])}"]
+             f"{_size(rep['payload_bytes'])}"
+             + (f", epoch {rep['epoch']}" if rep["epoch"] is not None else "")]
     if rep["decode_error"]:
         lines.append(f"  payload does not decode: {rep['decode_error']}")
         return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Two processes under one learner id — a learner partitioned away and back while its
+replacement (a restart, a warm spare's takeover) runs — never both contribute: each process
+claims a new epoch of its id when it joins, the older one stops before its next push or
+heartbeat, and a syncer dead-letters any entry of an older epoch than one it has seen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers_broker import REPO, dlq_entries, poll_until, store_run, syncer_cmd, tiny_config
+
+from broker import registry
+from broker.connection import connect
+from broker.errors import Superseded
+from workers.island import Island, IslandConfig
+
+
+def _entries(r, ctx, epoch: int) -> list[tuple[int, bytes]]:
+    """(fragment, entry id) of every entry of L0 with this epoch (0: no epoch field)."""
+    out = []
+    for p in range(len(ctx.fragments)):
+        for eid, f in r.xrange(ctx.keys.fragment(p).frags):
+            if f[b"learner"] == b"L0" and int(f.get(b"epoch", b"0")) == epoch:
+                out.append((p, eid))
+    return out
+
+
+def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_path,
+                                                                            redis_url):
+    r = connect(redis_url)
+    # heartbeats far apart: the older process must find out at its next push, not later
+    cfg = tiny_config(learners=1, steps=60, sync={"quorum": 1},
+                      broker={"heartbeat_s": 30.0, "heartbeat_ttl_s": 90.0})
+    keys = store_run(r, "fence", cfg)
+    log = open(tmp_path / "syncer.log", "wb")
+    syncer = subprocess.Popen(syncer_cmd(redis_url, "fence"), cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT)
+    icfg = IslandConfig(redis_url, "fence", "L0")
+
+    def step(island, params):
+        time.sleep(0.01)
+        return island.after_step({k: v - 1e-3 for k, v in params.items()})
+
+    a = b = None
+    try:
+        a = Island(icfg)
+        pa, _ = a.start()
+        assert a.epoch == registry.learner_epoch(r, keys, "L0") >= 1
+        while a.net.stats.pushes_acked < 2:
+            pa = step(a, pa)
+        assert a.net.wait_flushed(10)
+        old = _entries(r, a.ctx, a.epoch)
+        assert len(old) >= 2
+
+        b = Island(icfg)  # a second process joins as L0 while the first still runs
+        pb, _ = b.start()
+        assert b.epoch == a.epoch + 1 == registry.learner_epoch(r, keys, "L0")
+        with pytest.raises(Superseded, match="another process joined the run as this learner"):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                pa = step(a, pa)  # pushes keep being made until the island hears of it
+        assert a.net.superseded == b.epoch
+        a.net.join(10)
+        assert not a.net.is_alive()  # the network thread of the older process has stopped
+        assert _entries(r, a.ctx, a.epoch) == old  # nothing pushed once superseded
+        # closing the superseded island leaves the learner's heartbeat to the newer process
+        r.set(keys.heartbeat("L0"), b"1", px=60_000)
+        a.close()
+        assert r.exists(keys.heartbeat("L0"))
+
+        # the newer process trains on; once the syncer has merged an entry of its epoch, a
+        # late entry of the older one (pushed just before it heard) is dead-lettered
+        while not b.net.stats.pushes_acked:
+            pb = step(b, pb)
+        def merged_b() -> bool:  # an entry of b's epoch is merged: the syncer has seen it
+            for q, eid in _entries(r, b.ctx, b.epoch):
+                [(_, f)] = r.xrange(b.ctx.keys.fragment(q).frags, eid, eid)
+                m = registry.merged(r, keys, "L0", q)
+                if m is not None and m.step >= int(f[b"step"]):
+                    return True
+            return False
+
+        assert poll_until(merged_b, 30), (tmp_path / "syncer.log").read_text()[-3000:]
+        p, old_id = old[-1]
+        [(_, fields)] = r.xrange(b.ctx.keys.fragment(p).frags, old_id, old_id)
+        late = {**fields, b"step": b"100000"}  # a new push, not a re-delivered one
+        late_id = r.xadd(b.ctx.keys.fragment(p).frags, late)
+        assert poll_until(lambda: any(d.get(b"dlq_source_id") == late_id
+                                      for d in dlq_entries(r, b.ctx.keys.fragment(p))), 30)
+        [dead] = [d for d in dlq_entries(r, b.ctx.keys.fragment(p))
+                  if d.get(b"dlq_source_id") == late_id]
+        assert b"fenced" in dead[b"dlq_reason"], dead[b"dlq_reason"]
+        from ops.tools.inspect import entry_stats
+        assert entry_stats(redis_url, "fence", p, late_id.decode(), dead_letter=True
+                           )["epoch"] == a.epoch
+        assert registry.refusal(r, keys, "L0", p) is None  # the id's refusals are b's
+
+        while not b.done:
+            pb = step(b, pb)
+        b.finish(pb)
+        b.close()
+        assert syncer.wait(timeout=60) == 0
+    finally:
+        for island in (a, b):
+            if island is not None:
+                island.close()
+        if syncer.poll() is None:
+            syncer.kill()
+            syncer.wait()
+        log.close()
+
+
+def test_a_learner_process_exits_3_when_another_joins_as_it(tmp_path, redis_url):
+    """Real learner processes: a second `diloco learner --id L0` makes the first exit with
+    code 3 (``EXIT_SUPERSEDED``) and carries the learner to the end of the run."""
+    r = connect(redis_url)
+    keys = store_run(r, "fence2", tiny_config(learners=1, steps=300, sync={"quorum": 1}))
+    base = [sys.executable, "-m", "workers.learner", "--redis-url", redis_url, "--run",
+            "fence2", "--id", "L0"]
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "first", "second")}
+    procs = {"syncer": subprocess.Popen(syncer_cmd(redis_url, "fence2"), cwd=REPO,
+                                        stdout=logs["syncer"], stderr=subprocess.STDOUT),
+             "first": subprocess.Popen([*base, "--delay-s", "0.05"], cwd=REPO,
+                                       stdout=logs["first"], stderr=subprocess.STDOUT)}
+    try:
+        assert poll_until(lambda: r.hexists(keys.learners, "L0"), 120)  # the first trains
+        procs["second"] = subprocess.Popen(base, cwd=REPO, stdout=logs["second"],
+                                           stderr=subprocess.STDOUT)
+        assert procs["first"].wait(timeout=120) == 3, (tmp_path / "first.log").read_text()[-3000:]
+        assert procs["second"].wait(timeout=240) == 0, (tmp_path / "second.log"
+                                                        ).read_text()[-3000:]
+        assert procs["syncer"].wait(timeout=60) == 0
+        assert "another process joined the run as this learner" in (
+            tmp_path / "first.log").read_text()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for fh in logs.values():
+            fh.close()
+
+
+def test_in_a_signed_run_only_a_claim_signed_by_the_learner_makes_it_stand_down(redis_url):
+    """A learner user can write any learner's epoch keys; with signing keys, a process stands
+    down only for a newer claim signed with its learner's key (the syncers' fence needs no
+    such claim: it reads the epochs of signed entries)."""
+    from broker import signing
+    from broker.keys import RunKeys
+
+    r = connect(redis_url)
+    keys = RunKeys("epochs")
+    mine, other = signing.new_key(), signing.new_key()
+    assert registry.newer_epoch(r, keys, "L0", 0, mine) is None  # nothing claimed yet
+    assert registry.claim_epoch(r, keys, "L0", mine) == 1
+    assert registry.newer_epoch(r, keys, "L0", 0, mine) == 1
+    assert registry.newer_epoch(r, keys, "L0", 1, mine) is None  # its own claim
+    # a learner user raising L0's epoch, or writing claims it cannot sign: ignored
+    r.incr(keys.epoch("L0"), 5)
+    assert registry.newer_epoch(r, keys, "L0", 1) == 6  # an unsigned run believes the counter
+    for forged in (f"7:{signing.sign_epoch(other, 'epochs', 'L0', 7)}",  # another's key
+                   f"7:{signing.sign_epoch(mine, 'other-run', 'L0', 7)}",  # another run
+                   f"7:{signing.sign_epoch(mine, 'epochs', 'L1', 7)}",  # another learner
+                   "7:" + "0" * 64, "7", "x:y", "", ":" * 1000, "9" * 40 + ":00"):
+        r.set(keys.epoch_sig("L0"), forged)
+        assert registry.newer_epoch(r, keys, "L0", 1, mine) is None, forged
+    assert registry.claim_epoch(r, keys, "L0", mine) == 7  # the next real process
+    assert registry.newer_epoch(r, keys, "L0", 1, mine) == 7

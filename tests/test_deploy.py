@@ -271,7 +271,10 @@ def test_the_kubernetes_manifest_runs_as_written(tmp_path):
 @pytest.mark.slow
 def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
     """The batch script's learners, with a stand-in `srun` that starts its tasks on this machine
-    (SLURM_PROCID per task); learner L1 is killed once mid-run and the script brings it back."""
+    (SLURM_PROCID per task); learner L1 is killed once mid-run and the script brings it back.
+    Then a second L1 is started by hand (as if its node had been thought lost): the script's L1
+    stands down (exit 3, a signed claim of a newer epoch) and is not restarted, and the new one
+    finishes the learner's work."""
     from ops.cluster import SecureSetup
 
     run, learners = "slurm", ["L0", "L1"]
@@ -283,7 +286,7 @@ def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
         shutil.copy(sec.url_file("learner"), secrets / "learner.url")
         shutil.copy(sec.keys / "syncer.key", secrets / "syncer.key")
         shutil.copytree(sec.keys / "learners", secrets / "learners")
-        cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 200})
+        cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 600})
         (tmp_path / "run.toml").write_text(cfgmod.dumps_toml(cfg))
         subprocess.run([*DILOCO, "init", "--config", str(tmp_path / "run.toml"), "--run", run,
                         "--redis-url-file", sec.url_file("operator")], cwd=REPO, check=True,
@@ -321,10 +324,31 @@ def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
             hb = registry.learner_records(admin, keys).get("L1")
             if hb is not None and hb.step >= 20 and hb.pid:
                 os.kill(hb.pid, signal.SIGKILL)
-                killed = True
+                killed, killed_pid = True, hb.pid
             time.sleep(0.2)
-        assert procs["job"].wait(240) == 0, (tmp_path / "job.log").read_text()[-3000:]
-        assert "learner L1: exit" in (tmp_path / "job.log").read_text()
+        restarted = None
+        while restarted is None:  # the restarted L1 trains
+            assert time.monotonic() < deadline + 120 and procs["job"].poll() is None, \
+                (tmp_path / "job.log").read_text()[-3000:]
+            hb = registry.learner_records(admin, keys).get("L1")
+            if hb is not None and hb.pid and hb.pid != killed_pid and hb.step >= 40:
+                restarted = hb.pid
+            time.sleep(0.2)
+        with open(tmp_path / "second.log", "wb") as log:
+            procs["second"] = subprocess.Popen(
+                [*DILOCO, "learner", "--run", run, "--id", "L1",
+                 "--redis-url-file", str(secrets / "learner.url"),
+                 "--state-dir", str(tmp_path / "state" / "L1"),
+                 "--curve-secret", str(secrets / "learners" / "L1.key_secret"),
+                 "--curve-server-key", str(secrets / "syncer.key"),
+                 "--sign-key", str(secrets / "learners" / "L1.sign"), "--pace-s", "0.05"],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        assert procs["job"].wait(240) == 3, (tmp_path / "job.log").read_text()[-3000:]
+        assert procs["second"].wait(240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+        job_log = (tmp_path / "job.log").read_text()
+        assert "learner L1: exit" in job_log
+        assert "learner L1: another process joined the run as this learner (exit 3): " \
+            "not restarting" in job_log, job_log[-3000:]
         reports = registry.learner_final_reports(admin, keys)
         assert sorted(reports) == learners and reports["L0"].hashes == reports["L1"].hashes
         resumes = [f for _, f in admin.xrange(keys.events) if f[b"kind"] == b"resume"

@@ -81,18 +81,22 @@ def key_rules(run: str, role: str) -> list[str]:
                 f"~{keys.refused}", f"~{keys.merged}", f"~{frag}:*"]
     return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}", f"%R~{keys.merged}",
             f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
-            f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.epoch('*')}",
-            f"~{keys.done}",
+            f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
             f"%W~{keys.events}"]
 
 
 def selectors(run: str, role: str) -> list[str]:
     """Redis 7 selectors: rights on other keys than the root rules', each for a few commands.
     A learner may only XADD to the fragment streams (not XACK, XDEL, XTRIM, XGROUP, XCLAIM,
-    XREADGROUP or DEL: the syncers' consumer group is theirs)."""
+    XREADGROUP or DEL: the syncers' consumer group is theirs), only read and raise the
+    learner epoch counters (no SET or DEL: an epoch never goes back) and only add and read
+    signed epoch claims."""
     if role != "learner":
         return []
-    return [f"(~{PREFIX}:{{{run}/f*}}:frags +xadd)"]
+    keys = RunKeys(run)
+    return [f"(~{PREFIX}:{{{run}/f*}}:frags +xadd)",
+            f"(~{keys.epoch('*')} +get +incr +incrby)",
+            f"(~{keys.epoch_sig('*')} +hset +hmget)"]
 
 
 def rules(run: str, role: str) -> list[str]:

@@ -24,8 +24,9 @@ key                                   type      contents
                                                 process that joins as that learner; pushes
                                                 carry it, and a push of an older epoch is
                                                 fenced (``broker.registry.claim_epoch``)
-``ddl:{<run>}:epoch:<learner>:sig``   string    ``<epoch>:<hex>``: the latest claim signed
-                                                with the learner's key (signed runs)
+``ddl:{<run>}:epochsig:<learner>``    hash      epoch → the claim of that epoch signed
+                                                with the learner's key (signed runs), and
+                                                ``latest`` → ``<epoch>:<signature>``
 ``ddl:{<run>}:syncers``               hash      syncer id → JSON (PUB endpoint, fragments,
                                                 rounds, last reason, heartbeat time)
 ``ddl:{<run>}:members``               set       ids of the syncers that share the fragments
@@ -113,6 +114,7 @@ class RunKeys:
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
         self._epoch = f"{base}:epoch:"
+        self._epochsig = f"{base}:epochsig:"
         self._member = f"{base}:member:"
         # where versions before the final key names kept the configuration
         self.legacy_config = f"{PREFIX}:{run}:config"
@@ -124,7 +126,7 @@ class RunKeys:
         return f"{self._epoch}{learner}"
 
     def epoch_sig(self, learner: str) -> str:
-        return f"{self._epoch}{learner}:sig"
+        return f"{self._epochsig}{learner}"
 
     def member(self, syncer: str) -> str:
         return self._member + syncer

@@ -120,26 +120,44 @@ def heartbeat(r: redis.Redis, keys: RunKeys, learner: str, info: Heartbeat, ttl_
         p.execute()
 
 
+EPOCH_LOOKBACK = 16  # newer claims a signed learner checks (a flood of INCRs is not read)
+
+
 def claim_epoch(r: redis.Redis, keys: RunKeys, learner: str, sign_key: bytes | None = None
                 ) -> int:
-    """A new epoch of `learner` for the process joining as it. Every push carries its
-    process's epoch; a process looks for a newer one before it pushes (`newer_epoch`) and
-    stops when there is one (:class:`broker.errors.Superseded`), and a syncer that has seen a
-    learner's entry of some epoch dead-letters its entries of older ones: two processes
-    running under one learner id (a partitioned learner coming back while its replacement
-    runs) never both contribute. With `sign_key` (signed runs) the claim is also stored signed,
-    and only a signed claim makes another process of the learner stand down."""
-    epoch = int(r.incr(keys.epoch(learner)))
-    if sign_key is not None:
-        r.set(keys.epoch_sig(learner),
-              f"{epoch}:{signing.sign_epoch(sign_key, keys.run, learner, epoch)}")
+    """A new epoch of `learner` for the process joining as it (0: epochs are unavailable —
+    the run's ACL users predate them, or the counter is not a number: logged, and the
+    process is not fenced). Every push carries its process's epoch; a process looks for a
+    newer one before it pushes (`newer_epoch`) and stops when there is one
+    (:class:`broker.errors.Superseded`), and a syncer that has seen a learner's entry of some
+    epoch dead-letters its entries of older ones: two processes running under one learner id
+    (a partitioned learner coming back while its replacement runs) never both contribute.
+    With `sign_key` (signed runs) the claim is also stored signed, only a signed claim makes
+    another process of the learner stand down, and the new epoch is above every signed one
+    (a counter that went back, e.g. an AOF restart missing its last second, is moved up)."""
+    try:
+        floor = _signed_newest(r, keys, learner, sign_key) if sign_key is not None else 0
+        epoch = int(r.incr(keys.epoch(learner)))
+        if epoch <= floor:
+            epoch = int(r.incrby(keys.epoch(learner), floor + 1 - epoch))
+        if sign_key is not None:
+            sig = signing.sign_epoch(sign_key, keys.run, learner, epoch)
+            # per epoch (what a process standing down reads) and the latest (a hint: two
+            # claims at once may leave it on the older one)
+            r.hset(keys.epoch_sig(learner), mapping={str(epoch): sig,
+                                                     "latest": f"{epoch}:{sig}"})
+    except redis.ResponseError as e:  # NOPERM (ACL users from before epochs), not a number
+        log.warning("learner %r: cannot claim an epoch (%s): this process is not fenced "
+                    "against another one with its id; re-apply the run's ACL users "
+                    "(diloco acl --apply) if they predate epochs", learner, e)
+        return 0
     return epoch
 
 
 def _epoch_value(raw: Any) -> int | None:
-    """A stored epoch; None if it is not a decimal integer of at most 19 digits."""
+    """A stored epoch; None if it is not a decimal integer of at most 18 digits."""
     text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
-    if isinstance(text, str) and 0 < len(text) <= 19 and text.isascii() and text.isdigit():
+    if isinstance(text, str) and 0 < len(text) <= 18 and text.isascii() and text.isdigit():
         return int(text)
     return None
 
@@ -149,27 +167,49 @@ def learner_epoch(r: redis.Redis, keys: RunKeys, learner: str) -> int | None:
     return _epoch_value(r.get(keys.epoch(learner)))
 
 
+_warned: dict[str, Any] = {}  # learner → the last ignored claim logged (one line per change)
+
+
+def _signed_newest(r: redis.Redis, keys: RunKeys, learner: str, sign_key: bytes,
+                   above: int = 0) -> int:
+    """The newest epoch above `above` whose claim is signed with `sign_key`, of the
+    `EPOCH_LOOKBACK` up to the counter (or above `above` when the counter is unreadable) and
+    the ``latest`` claim recorded (which finds claims above a counter Redis lost); `above` if
+    none. A claim that does not verify is ignored (logged once per claim)."""
+    latest = learner_epoch(r, keys, learner)
+    top = latest if latest is not None else above + EPOCH_LOOKBACK
+    wanted = [str(n) for n in range(top, max(above, top - EPOCH_LOOKBACK), -1)]
+    sigs = r.hmget(keys.epoch_sig(learner), [*wanted, "latest"])
+    hint = sigs.pop()
+    claims = list(zip(wanted, sigs, strict=True))
+    if isinstance(hint, bytes):
+        n, _, sig = hint[:160].decode("ascii", "replace").partition(":")
+        if _epoch_value(n) is not None:
+            claims.append((str(int(n)), sig.encode()))
+    best = above
+    for n, sig in claims:
+        if sig is None or int(n) <= best:
+            continue
+        want = signing.sign_epoch(sign_key, keys.run, learner, int(n)).encode()
+        if isinstance(sig, bytes) and hmac.compare_digest(sig[:128], want):
+            best = int(n)
+        elif _warned.get(learner) != (n, sig[:64]):
+            _warned[learner] = (n, sig[:64])
+            log.warning("learner %r: the claim of epoch %s is not signed with its key "
+                        "(ignored)", learner, n)
+    return best
+
+
 def newer_epoch(r: redis.Redis, keys: RunKeys, learner: str, own: int,
                 sign_key: bytes | None = None) -> int | None:
     """An epoch of `learner` newer than `own` that a process has claimed, or None. With
-    `sign_key`, only a claim signed with it counts: a learner user can write any learner's
-    epoch keys, but not sign for another learner (a forged or malformed claim is logged and
-    ignored; the syncers' fence does not depend on it)."""
+    `sign_key`, only a claim signed with it counts: a learner user may raise any learner's
+    counter, but not sign for another learner (the syncers' fence does not depend on it)."""
     if sign_key is None:
         latest = learner_epoch(r, keys, learner)
         return latest if latest is not None and latest > own else None
-    raw = r.get(keys.epoch_sig(learner))
-    if raw is None:
-        return None
-    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
-    epoch, _, sig = text[:128].partition(":")
-    value = _epoch_value(epoch)
-    if value is None or not hmac.compare_digest(
-            sig.encode(), signing.sign_epoch(sign_key, keys.run, learner, value).encode()):
-        log.warning("learner %r: an epoch claim that is not signed with its key: %r (ignored)",
-                    learner, text[:64])
-        return None
-    return value if value > own else None
+    newest = _signed_newest(r, keys, learner, sign_key, above=own)
+    return newest if newest > own else None
 
 
 def leave(r: redis.Redis, keys: RunKeys, learner: str) -> None:

@@ -79,8 +79,9 @@ def _record_message(run: str, kind: str, learner: str, rec: Any) -> bytes:
 def sign_epoch(key: bytes, run: str, learner: str, epoch: int) -> str:
     """The hex signature of `learner`'s claim of `epoch` (``broker.registry.claim_epoch``):
     only a process holding the learner's key can make another one of it stand down."""
-    return hmac.new(key, _message(run, {"kind": "epoch", "learner": learner,
-                                        "epoch": str(int(epoch))}), hashlib.sha256).hexdigest()
+    fields = {"learner": learner, "epoch": str(int(epoch))}
+    message = b"diloco epoch claim\n" + _message(run, fields)
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 def sign_record(key: bytes, run: str, kind: str, learner: str, rec: Any) -> Any:

@@ -113,6 +113,48 @@ def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_
         log.close()
 
 
+def test_a_learner_superseded_in_its_final_flush_writes_no_end_of_run_record(tmp_path,
+                                                                          redis_url):
+    """A process that finished training and is in its final flush when a newer process joins
+    as its learner stops at once (not after the flush's timeout) and writes none of the
+    learner's end-of-run records; the newer process writes them."""
+    r = connect(redis_url)
+    keys = store_run(r, "fence3", tiny_config(learners=1, steps=12, sync={"quorum": 1}))
+    log = open(tmp_path / "syncer.log", "wb")
+    syncer = subprocess.Popen(syncer_cmd(redis_url, "fence3"), cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT)
+    icfg = IslandConfig(redis_url, "fence3", "L0", final_timeout_s=60.0)
+    a = b = None
+    try:
+        a = Island(icfg)
+        pa, _ = a.start()
+        while not a.done:
+            pa = a.after_step({k: v - 1e-3 for k, v in pa.items()})
+        b = Island(icfg)
+        pb, _ = b.start()  # a newer process joins while the older one is about to flush
+        t0 = time.monotonic()
+        with pytest.raises(Superseded):
+            a.finish(pa)
+        assert time.monotonic() - t0 < 30
+        assert "L0" not in registry.learner_final_reports(r, keys)
+        assert "L0" not in registry.final_pushes(r, keys)
+        a.close()
+        while not b.done:
+            pb = b.after_step({k: v - 1e-3 for k, v in pb.items()})
+        b.finish(pb)
+        assert "L0" in registry.learner_final_reports(r, keys)
+        b.close()
+        assert syncer.wait(timeout=60) == 0
+    finally:
+        for island in (a, b):
+            if island is not None:
+                island.close()
+        if syncer.poll() is None:
+            syncer.kill()
+            syncer.wait()
+        log.close()
+
+
 def test_a_learner_process_exits_3_when_another_joins_as_it(tmp_path, redis_url):
     """Real learner processes: a second `diloco learner --id L0` makes the first exit with
     code 3 (``EXIT_SUPERSEDED``) and carries the learner to the end of the run."""
@@ -145,9 +187,11 @@ def test_a_learner_process_exits_3_when_another_joins_as_it(tmp_path, redis_url)
 
 
 def test_in_a_signed_run_only_a_claim_signed_by_the_learner_makes_it_stand_down(redis_url):
-    """A learner user can write any learner's epoch keys; with signing keys, a process stands
-    down only for a newer claim signed with its learner's key (the syncers' fence needs no
-    such claim: it reads the epochs of signed entries)."""
+    """A learner user can raise any learner's epoch counter; with signing keys, a process
+    stands down only for a newer claim signed with its learner's key (the syncers' fence needs
+    no such claim: it reads the epochs of signed entries). Claims are kept per epoch, so two
+    processes claiming at once both stay verifiable, and a claim starts above every signed
+    one even when the counter went back."""
     from broker import signing
     from broker.keys import RunKeys
 
@@ -158,14 +202,38 @@ def test_in_a_signed_run_only_a_claim_signed_by_the_learner_makes_it_stand_down(
     assert registry.claim_epoch(r, keys, "L0", mine) == 1
     assert registry.newer_epoch(r, keys, "L0", 0, mine) == 1
     assert registry.newer_epoch(r, keys, "L0", 1, mine) is None  # its own claim
-    # a learner user raising L0's epoch, or writing claims it cannot sign: ignored
+    # a learner user raising L0's counter, or writing claims it cannot sign: ignored
     r.incr(keys.epoch("L0"), 5)
     assert registry.newer_epoch(r, keys, "L0", 1) == 6  # an unsigned run believes the counter
-    for forged in (f"7:{signing.sign_epoch(other, 'epochs', 'L0', 7)}",  # another's key
-                   f"7:{signing.sign_epoch(mine, 'other-run', 'L0', 7)}",  # another run
-                   f"7:{signing.sign_epoch(mine, 'epochs', 'L1', 7)}",  # another learner
-                   "7:" + "0" * 64, "7", "x:y", "", ":" * 1000, "9" * 40 + ":00"):
-        r.set(keys.epoch_sig("L0"), forged)
-        assert registry.newer_epoch(r, keys, "L0", 1, mine) is None, forged
-    assert registry.claim_epoch(r, keys, "L0", mine) == 7  # the next real process
-    assert registry.newer_epoch(r, keys, "L0", 1, mine) == 7
+    forged = {"6": signing.sign_epoch(other, "epochs", "L0", 6),  # another learner's key
+              "5": signing.sign_epoch(mine, "other-run", "L0", 5),  # another run
+              "4": signing.sign_epoch(mine, "epochs", "L1", 4),  # another learner
+              "3": "0" * 64, "2": ":" * 1000}
+    r.hset(keys.epoch_sig("L0"), mapping=forged)
+    assert registry.newer_epoch(r, keys, "L0", 1, mine) is None
+    # an entry's signature is not a claim's (another domain)
+    assert signing.sign_epoch(mine, "epochs", "L0", 6) != signing.sign(
+        mine, "epochs", {"learner": "L0", "epoch": "6"})
+    # two processes claiming at once: both claims stay, the newest signed one counts
+    assert registry.claim_epoch(r, keys, "L0", mine) == 7
+    assert registry.claim_epoch(r, keys, "L0", mine) == 8
+    r.hset(keys.epoch_sig("L0"), "8", signing.sign_epoch(mine, "epochs", "L0", 8))
+    assert registry.newer_epoch(r, keys, "L0", 7, mine) == 8
+    assert registry.newer_epoch(r, keys, "L0", 1, mine) == 8
+    # the counter went back (an AOF restart lost it): the next claim is above every signed one
+    r.set(keys.epoch("L0"), 2)
+    assert registry.claim_epoch(r, keys, "L0", mine) == 9
+    assert registry.newer_epoch(r, keys, "L0", 8, mine) == 9
+
+
+def test_a_counter_that_is_not_a_number_leaves_the_learner_unfenced(redis_url, caplog):
+    from broker.keys import RunKeys
+
+    r = connect(redis_url)
+    keys = RunKeys("epochs-bad")
+    r.set(keys.epoch("L0"), b"not a number")
+    r.hset(keys.epoch("L1"), "x", "1")  # the wrong type
+    for name in ("L0", "L1"):
+        assert registry.claim_epoch(r, keys, name) == 0
+    assert "cannot claim an epoch" in caplog.text
+    assert registry.newer_epoch(r, keys, "L0", 3) is None

@@ -285,6 +285,10 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
             "learner GET state": lambda: learner.get(f0.state),
             "learner XADD other run": lambda: learner.xadd(other.fragment(0).frags, {"a": 1}),
             "learner FLUSHALL": lambda: learner.flushall(),
+            "learner SET epoch": lambda: learner.set(keys.epoch("L0"), 1),
+            "learner DEL epoch": lambda: learner.delete(keys.epoch("L0")),
+            "learner HDEL epochsig": lambda: learner.hdel(keys.epoch_sig("L0"), "1"),
+            "learner DEL epochsig": lambda: learner.delete(keys.epoch_sig("L0")),
             "learner XACK frags": lambda: learner.xack(f0.frags, "syncers", "0-1"),
             "learner XDEL frags": lambda: learner.xdel(f0.frags, "0-1"),
             "learner XTRIM frags": lambda: learner.xtrim(f0.frags, maxlen=0),
@@ -309,6 +313,9 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         # and what each role needs still works
         assert learner.xadd(f0.frags, {"probe": 1})
         assert learner.get(f0.global_) and reader.get(f0.state) and syncer.get(f0.state)
+        # the run's learners claimed their epochs through the selectors, signed
+        assert int(learner.get(keys.epoch("L0"))) >= 1 and learner.incr(keys.epoch("L9")) == 1
+        assert learner.hmget(keys.epoch_sig("L0"), ["1"])[0] is not None
 
 
 def _inject_forged_entries(learner_url: str, reader_url: str, kdir: Path) -> dict[str, str]:

@@ -290,6 +290,7 @@ class Island:
                             step_s=self.step_s, versions=list(self.core.base_version),
                             loss=_finite_or_none(loss), **self._identity())
         if self.state_dir is not None and self.step % self.every == 0:
+            self._check_net()  # a superseded process writes no checkpoint
             self._checkpoint(opt_state)
         self._t_last = time.monotonic()
         self.sync_s += self._t_last - t_in
@@ -329,8 +330,9 @@ class Island:
             try:
                 # the heartbeat is the network thread's: an island that never started it (a
                 # warm spare that did not take over) must not delete its learner's
-                # nor may one superseded by a newer process of its learner id
-                if started and self.net.superseded is None:
+                # nor may one superseded by a newer process of its learner id (also one that
+                # stops for another reason before it noticed)
+                if started and self.net.superseded is None and not self._superseded_now():
                     registry.leave(self.ctx.r, self.ctx.keys, self.id)
             finally:
                 if self._quick is not None:
@@ -451,6 +453,27 @@ class Island:
                  "rebased onto v%d, pushing only the progress since", self.id, f.key[1], p,
                  rec.version, header.version)
         return header.version, values
+
+    def _newer_epoch(self) -> int | None:
+        """A newer process's epoch of this learner id, read now (None: none)."""
+        return registry.newer_epoch(self.ctx.r, self.ctx.keys, self.id, self.epoch,
+                                    self.cfg.sign_key) if self.epoch else None
+
+    def _superseded_now(self) -> bool:
+        try:
+            return self._newer_epoch() is not None
+        except (*OUTAGE, redis.ResponseError):
+            return False  # (leave() will not reach Redis either)
+
+    def _check_current(self) -> None:
+        """Raise `Superseded` if a newer process has joined as this learner (read now, not
+        at the network thread's next look)."""
+        self._check_net()
+        newer = self._newer_epoch()
+        if newer is not None:
+            self.net.superseded = newer
+            self.net.stop_event.set()
+            self._check_net()
 
     def _check_net(self) -> None:
         """Fail loudly if the network thread died (a learner must not train on unsynced)."""
@@ -710,6 +733,7 @@ class Island:
             self.train_s = self._t_last - self._t_start
             if self._steps_here > 1 and self._t_last > self._t_first:
                 self.steady_steps_per_s = (self._steps_here - 1) / (self._t_last - self._t_first)
+        self._check_net()
         deadline = time.monotonic() + self.cfg.final_timeout_s
         final: list[Push] = []
         flat = self._params
@@ -729,7 +753,9 @@ class Island:
             for push in final:
                 self._send(push, final=True)
             if not self.net.wait_flushed(self.cfg.final_timeout_s):
+                self._check_net()
                 raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
+        self._check_current()  # the end-of-run records are the newest process's to write
         registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, self._signed(
             "final-pushes", FinalPushes(final=[p.fragment for p in final], steps=self.step,
                                         tokens=self.tokens_done)))
@@ -766,6 +792,7 @@ class Island:
                  "heartbeats and checkpoints", self.id, self._steps_here, self.train_s,
                  self.sync_s, 100 * self.sync_s / max(self.train_s, 1e-9))
         report = self._signed("final", report)
+        self._check_current()
         registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
         registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
         return report

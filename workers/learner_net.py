@@ -92,6 +92,7 @@ class LearnerNet(threading.Thread):
         self.finish_seen = False
         self.epoch = 0  # this process's epoch of its learner id (set at the join)
         self.sign_key: bytes | None = None  # signed runs: only a signed newer claim counts
+        self._epoch_error = False  # logged once
         self.superseded: int | None = None  # a newer epoch seen: this thread stopped
         self._unsent: list[tuple[int, dict]] = []
         self._last_version: dict[int, int] = {}
@@ -146,8 +147,9 @@ class LearnerNet(threading.Thread):
         with self._flushed:
             while self.outbox.unfinished_tasks or self._unsent:
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
+                if left <= 0 or self.superseded is not None or (
+                        self.ident is not None and not self.is_alive()):
+                    return False  # (a stopped thread sends nothing more)
                 self._flushed.wait(min(left, 0.1))
         return True
 
@@ -183,6 +185,8 @@ class LearnerNet(threading.Thread):
                         **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s)
                     next_hb = now + self.bcfg.heartbeat_s
                 self._send_pushes()
+                if self.stop_event.is_set():  # superseded: nothing more, not even a repair
+                    return
                 self._serve_snapshots()
                 if down_since is not None:
                     self._verify_last_pushes()
@@ -213,8 +217,14 @@ class LearnerNet(threading.Thread):
         pushes, so a partitioned learner coming back pushes nothing once replaced."""
         if not self.epoch:
             return False
-        latest = registry.newer_epoch(self.ctx.r, self.ctx.keys, self.id, self.epoch,
-                                      self.sign_key)
+        try:
+            latest = registry.newer_epoch(self.ctx.r, self.ctx.keys, self.id, self.epoch,
+                                          self.sign_key)
+        except redis.ResponseError as e:  # a key of the wrong type: not a claim
+            if not self._epoch_error:
+                log.warning("%s: cannot read this learner's epoch (%s); ignored", self.id, e)
+            self._epoch_error = True
+            return False
         if latest is None:
             return False
         self.superseded = latest

@@ -307,6 +307,12 @@ class ChaosRun:
                 self.sup.spawn(name)
                 self.restarts.append((name, time.time()))
                 continue
+            if code == 3 and name.startswith("L"):
+                # it stood down for a newer process of its id: restarting it would take the
+                # learner back from that one (reported, never expected of this harness)
+                self._event("superseded", target=name, code=code)
+                self.gave_up.add(name)
+                continue
             self.crashes[name] = self.crashes.get(name, 0) + 1
             self._event("crash", target=name, code=code)
             if self.crashes[name] <= self.max_crashes:

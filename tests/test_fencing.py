@@ -5,12 +5,21 @@ heartbeat, and a syncer dead-letters any entry of an older epoch than one it has
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers_broker import REPO, dlq_entries, poll_until, store_run, syncer_cmd, tiny_config
+from helpers_broker import (
+    REPO,
+    dlq_entries,
+    end_processes,
+    poll_until,
+    store_run,
+    syncer_cmd,
+    tiny_config,
+)
 
 from broker import registry
 from broker.connection import connect
@@ -28,6 +37,34 @@ def _entries(r, ctx, epoch: int) -> list[tuple[int, bytes]]:
     return out
 
 
+@contextlib.contextmanager
+def _syncer(tmp_path, redis_url, run):
+    """A real syncer process for `run`, and a list of in-process islands closed at the end."""
+    log = open(tmp_path / "syncer.log", "wb")
+    proc = subprocess.Popen(syncer_cmd(redis_url, run), cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+    islands: list[Island] = []
+    try:
+        yield proc, islands
+    finally:
+        for island in islands:
+            island.close()
+        end_processes({"syncer": proc}, {"syncer": log})
+
+
+def _step(island, params):  # a fake inner step: every value moves by −1e-3
+    return island.after_step({k: v - 1e-3 for k, v in params.items()})
+
+
+def _finish(island, params, syncer) -> None:
+    """Train `island` to the end, flush, and see the syncer end the run."""
+    while not island.done:
+        params = _step(island, params)
+    island.finish(params)
+    island.close()
+    assert syncer.wait(timeout=60) == 0
+
+
 def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_path,
                                                                             redis_url):
     r = connect(redis_url)
@@ -35,18 +72,15 @@ def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_
     cfg = tiny_config(learners=1, steps=60, sync={"quorum": 1},
                       broker={"heartbeat_s": 30.0, "heartbeat_ttl_s": 90.0})
     keys = store_run(r, "fence", cfg)
-    log = open(tmp_path / "syncer.log", "wb")
-    syncer = subprocess.Popen(syncer_cmd(redis_url, "fence"), cwd=REPO, stdout=log,
-                              stderr=subprocess.STDOUT)
     icfg = IslandConfig(redis_url, "fence", "L0")
 
     def step(island, params):
         time.sleep(0.01)
-        return island.after_step({k: v - 1e-3 for k, v in params.items()})
+        return _step(island, params)
 
-    a = b = None
-    try:
+    with _syncer(tmp_path, redis_url, "fence") as (syncer, islands):
         a = Island(icfg)
+        islands.append(a)
         pa, _ = a.start()
         assert a.epoch == registry.learner_epoch(r, keys, "L0") >= 1
         while a.net.stats.pushes_acked < 2:
@@ -56,6 +90,7 @@ def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_
         assert len(old) >= 2
 
         b = Island(icfg)  # a second process joins as L0 while the first still runs
+        islands.append(b)
         pb, _ = b.start()
         assert b.epoch == a.epoch + 1 == registry.learner_epoch(r, keys, "L0")
         with pytest.raises(Superseded, match="another process joined the run as this learner"):
@@ -97,20 +132,7 @@ def test_a_superseded_learner_process_stops_and_its_late_entries_are_fenced(tmp_
         assert entry_stats(redis_url, "fence", p, late_id.decode(), dead_letter=True
                            )["epoch"] == a.epoch
         assert registry.refusal(r, keys, "L0", p) is None  # the id's refusals are b's
-
-        while not b.done:
-            pb = step(b, pb)
-        b.finish(pb)
-        b.close()
-        assert syncer.wait(timeout=60) == 0
-    finally:
-        for island in (a, b):
-            if island is not None:
-                island.close()
-        if syncer.poll() is None:
-            syncer.kill()
-            syncer.wait()
-        log.close()
+        _finish(b, pb, syncer)
 
 
 def test_a_learner_superseded_in_its_final_flush_writes_no_end_of_run_record(tmp_path,
@@ -120,17 +142,15 @@ def test_a_learner_superseded_in_its_final_flush_writes_no_end_of_run_record(tmp
     learner's end-of-run records; the newer process writes them."""
     r = connect(redis_url)
     keys = store_run(r, "fence3", tiny_config(learners=1, steps=12, sync={"quorum": 1}))
-    log = open(tmp_path / "syncer.log", "wb")
-    syncer = subprocess.Popen(syncer_cmd(redis_url, "fence3"), cwd=REPO, stdout=log,
-                              stderr=subprocess.STDOUT)
     icfg = IslandConfig(redis_url, "fence3", "L0", final_timeout_s=60.0)
-    a = b = None
-    try:
+    with _syncer(tmp_path, redis_url, "fence3") as (syncer, islands):
         a = Island(icfg)
+        islands.append(a)
         pa, _ = a.start()
         while not a.done:
-            pa = a.after_step({k: v - 1e-3 for k, v in pa.items()})
+            pa = _step(a, pa)
         b = Island(icfg)
+        islands.append(b)
         pb, _ = b.start()  # a newer process joins while the older one is about to flush
         t0 = time.monotonic()
         with pytest.raises(Superseded):
@@ -139,20 +159,8 @@ def test_a_learner_superseded_in_its_final_flush_writes_no_end_of_run_record(tmp
         assert "L0" not in registry.learner_final_reports(r, keys)
         assert "L0" not in registry.final_pushes(r, keys)
         a.close()
-        while not b.done:
-            pb = b.after_step({k: v - 1e-3 for k, v in pb.items()})
-        b.finish(pb)
+        _finish(b, pb, syncer)
         assert "L0" in registry.learner_final_reports(r, keys)
-        b.close()
-        assert syncer.wait(timeout=60) == 0
-    finally:
-        for island in (a, b):
-            if island is not None:
-                island.close()
-        if syncer.poll() is None:
-            syncer.kill()
-            syncer.wait()
-        log.close()
 
 
 def test_a_learner_process_exits_3_when_another_joins_as_it(tmp_path, redis_url):
@@ -178,12 +186,7 @@ def test_a_learner_process_exits_3_when_another_joins_as_it(tmp_path, redis_url)
         assert "another process joined the run as this learner" in (
             tmp_path / "first.log").read_text()
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for fh in logs.values():
-            fh.close()
+        end_processes(procs, logs)
 
 
 def test_in_a_signed_run_only_a_claim_signed_by_the_learner_makes_it_stand_down(redis_url):

@@ -29,8 +29,9 @@ in the shared ``learners`` hash can write another learner's field too (records a
 when read, and the heartbeat is what the learner itself declares); a learner may append
 entries in another learner's name to the run's streams (signed contributions, not ACLs, are
 what stops that); and a learner, which claims its own epoch when it joins (``epoch:<id>``), can
-raise another learner's epoch too, fencing that learner's pushes until it restarts — a
-disruption the ``learner`` ACL user cannot be kept from, like overwriting a heartbeat.
+raise another learner's epoch counter too (never set it back): in an unsigned run that makes
+the other learner stand down, like overwriting its heartbeat disturbs it; in a signed run only
+claims signed with the learner's key count (``epochsig:<id>``), so it changes nothing.
 """
 
 from __future__ import annotations

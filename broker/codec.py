@@ -63,8 +63,8 @@ class EntryMeta:
     None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
     flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
     is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
-    0: none, an entry of a version before epochs): a syncer fences entries of an older epoch
-    than the learner id's latest.
+    0: none, an entry of a version before epochs): a syncer dead-letters a learner's entries
+    of an older epoch than the newest it has seen of that learner.
     """
 
     learner: str

@@ -287,6 +287,24 @@ def test_the_quality_bench_sweeps_seeds_and_learning_rates_alike_for_every_varia
         quality.report(tmp_path / "none", base)
 
 
+def test_the_quality_bench_sweeps_the_outer_rate_as_part_of_the_variant():
+    from ops.bench import quality
+    from pipeline import config as cfgmod
+
+    base = cfgmod.from_dict({"learners": 2, "steps": 8})
+    runs = quality.sweep({"ddp": cfgmod.override(base, mode="ddp"), "dec": base}, [0], [1e-3],
+                         [0.4, 1.0])
+    # data parallel has no outer step: not swept over it
+    assert list(runs) == ["ddp lr=0.001 seed=0", "dec olr=0.4 lr=0.001 seed=0",
+                          "dec olr=1 lr=0.001 seed=0"]
+    assert runs["dec olr=0.4 lr=0.001 seed=0"].outer.lr == 0.4
+    assert runs["dec olr=1 lr=0.001 seed=0"].inner.lr == 1e-3
+    # the tables group over seeds by variant, the outer rate in the variant's name
+    assert quality._parse_label("dec olr=0.4 lr=0.001 seed=2") == ("dec olr=0.4", "0.001", 2)
+    with pytest.raises(ValueError, match="outer learning rates .* repeat"):
+        quality.sweep({"dec": base}, None, None, [0.4, 0.40000001])
+
+
 def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,
                                                                              redis_url):
     """Real processes: L1 subscribes to a port nobody publishes on, so no merged value reaches

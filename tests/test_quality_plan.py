@@ -4,8 +4,21 @@ the candidate, extended until each one's best rate is bracketed."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from ops.bench.quality_default import CAND, DDP, H100, SHIPPED, losses, name, plan, sweep
+from ops.bench.quality_default import (
+    CAND,
+    DDP,
+    H100,
+    SHIPPED,
+    command,
+    losses,
+    name,
+    outer_sweep,
+    plan,
+    sweep,
+    with_outer,
+)
 
 
 def _done(rows: dict[tuple[str, float, int], float]) -> dict[str, float]:
@@ -22,10 +35,11 @@ def test_a_best_rate_at_the_top_of_the_sweep_extends_it_before_any_seed():
                   (CAND, 1e-3, 0): 1.124, (CAND, 4e-4, 0): 1.297})
     assert sweep(done, DDP) == ([4e-3], None)
     assert plan(done) == [(DDP, 4e-3, 0), (CAND, 2e-3, 0)]
-    # the extension is worse: 2e-3 is bracketed, data parallel's seeds go ahead at it
+    # the extension is worse: 2e-3 is bracketed; data parallel's seeds wait for the
+    # candidate's outer screen (which decides data parallel's extra rates)
     done[name((DDP, 4e-3, 0))] = 1.02
     assert sweep(done, DDP) == ([], 2e-3)
-    assert plan(done) == [(CAND, 2e-3, 0), (DDP, 2e-3, 1), (DDP, 2e-3, 2)]
+    assert plan(done) == [(CAND, 2e-3, 0)]
 
 
 def test_the_sweep_extends_downwards_and_stops_at_the_grid_ends():
@@ -33,8 +47,8 @@ def test_the_sweep_extends_downwards_and_stops_at_the_grid_ends():
     assert sweep(done, CAND) == ([2e-4], None)
     done[name((CAND, 2e-4, 0))] = 1.0
     assert sweep(done, CAND) == ([], 2e-4)  # the grid's lowest rate
-    up = _done({(DDP, lr, 0): 2.0 - lr * 100 for lr in (4e-4, 1e-3, 2e-3, 4e-3, 8e-3)})
-    assert sweep(up, DDP) == ([], 8e-3)
+    up = _done({(DDP, lr, 0): 2.0 - lr * 10 for lr in (4e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)})
+    assert sweep(up, DDP) == ([], 1.6e-2)
 
 
 def test_a_diverged_run_counts_as_worst_and_malformed_rows_are_ignored():
@@ -48,11 +62,49 @@ def test_a_diverged_run_counts_as_worst_and_malformed_rows_are_ignored():
     assert sweep(done, DDP) == ([], 1e-3)
 
 
+def _swept(cand_best: float = 1e-3) -> dict[str, float]:
+    """Both inner sweeps done: data parallel's best 1e-3, the candidate's `cand_best`."""
+    done = _done({(DDP, lr, 0): loss for lr, loss in ((4e-4, 1.3), (1e-3, 1.0), (2e-3, 1.2))})
+    done.update(_done({(CAND, lr, 0): 1.0 if lr == cand_best else 1.25
+                       for lr in (4e-4, 1e-3, 2e-3, 4e-3)}))
+    return done
+
+
+def test_the_outer_screen_runs_beside_as_many_extra_rates_for_data_parallel():
+    done = _swept(cand_best=2e-3)
+    want = plan(done)
+    # the candidate at outer lr 0.4 and 1.0 (0.7 is its plain run), data parallel at the two
+    # rates between its grid's nearest its best, interleaved; no seeds before they end
+    assert want == [(DDP, 1.5e-3, 0), (with_outer(CAND, 0.4), 2e-3, 0), (DDP, 6e-4, 0),
+                    (with_outer(CAND, 1.0), 2e-3, 0)]
+    assert name(want[1]) == "frontier H=50 int4/int4Δ olr=0.4 lr=0.002 seed=0"
+    # 1.0 is best, at the top of the screen: it extends to 1.4, and data parallel gets a third
+    done.update({name((with_outer(CAND, 0.4), 2e-3, 0)): 1.1,
+                 name((with_outer(CAND, 1.0), 2e-3, 0)): 0.9})
+    assert outer_sweep(done, 2e-3) == ([1.4], None, 3)
+    assert plan(done) == [(DDP, 1.5e-3, 0), (with_outer(CAND, 1.4), 2e-3, 0),
+                          (DDP, 6e-4, 0), (DDP, 3e-3, 0)]
+    # 1.4 is worse: 1.0 is bracketed; a finer rate beats data parallel's grid best
+    done.update({name((with_outer(CAND, 1.4), 2e-3, 0)): 0.95,
+                 name((DDP, 1.5e-3, 0)): 0.98, name((DDP, 6e-4, 0)): 1.1,
+                 name((DDP, 3e-3, 0)): 1.05})
+    assert outer_sweep(done, 2e-3) == ([], 1.0, 3)
+    cand = with_outer(CAND, 1.0)
+    want = plan(done)
+    assert want[:4] == [(DDP, 1.5e-3, 1), (cand, 2e-3, 1), (DDP, 1.5e-3, 2), (cand, 2e-3, 2)]
+    # the shipped and H = 100 rows at the candidate's outer lr too
+    assert want[4:] == [(f"{v} olr=1", 2e-3, s) for v in (SHIPPED, H100) for s in (0, 1, 2)]
+    cmd = command(want[4], Path("out"))
+    assert cmd[cmd.index("--only") + 1] == SHIPPED and cmd[cmd.index("--outer-lrs") + 1] == "1"
+
+
 def test_the_shipped_and_h100_rows_run_at_the_candidates_rate_after_its_seeds():
-    done = _done({(v, lr, 0): loss for v in (DDP, CAND)
-                  for lr, loss in ((4e-4, 1.3), (1e-3, 1.0), (2e-3, 1.2))})
+    done = _swept()
+    done.update({name((with_outer(CAND, o), 1e-3, 0)): 1.1 for o in (0.4, 1.0)})
+    done.update({name((DDP, lr, 0)): 1.1 for lr in (1.5e-3, 6e-4)})
     want = plan(done)
     assert want[:4] == [(DDP, 1e-3, 1), (CAND, 1e-3, 1), (DDP, 1e-3, 2), (CAND, 1e-3, 2)]
     assert want[4:] == [(v, 1e-3, s) for v in (SHIPPED, H100) for s in (0, 1, 2)]
+    assert "--outer-lrs" not in command(want[4], Path("out"))
     done.update({name(r): 1.0 for r in want})
     assert plan(done) == []

@@ -2,7 +2,7 @@
 
     python -m ops.bench.quality_default [--out OUT] [--jobs 2] [--dry-run]
 
-Every run is one ``diloco bench quality --model default`` run (~66 CPU-minutes on the 2-core
+Every run is one ``diloco bench quality --model default`` run (~46 CPU-minutes on the 2-core
 development VM) that writes its result when it ends; finished runs are read from
 ``OUT/results.json`` and never run again, so run this again after an interruption and it goes
 on where it stopped.
@@ -13,9 +13,13 @@ What runs, the most wanted first (`plan`):
    (H = 50, int4 up, int4 delta down): inner lr 1e-3, 4e-4 and 2e-3; then, while a variant's
    best lr is at an end of what it has swept, the next rate of `GRID` beyond it, so that
    every variant's best is bracketed (or at the grid's end).
-2. Seeds 1 and 2 of each at its own best lr (by seed-0 loss), as soon as its sweep is done.
-3. The shipped setting (H = 100 int4 / bf16) and H = 100 with an int4 delta down link, three
-   seeds each, at the candidate's lr.
+2. **The candidate's outer learning rate** at its best inner lr: 0.4 and 1.0 beside the
+   default 0.7, extended along `OUTER_GRID` by the same rule; and **as many more rates for
+   data parallel** (`FINE`, between those of `GRID`, nearest its best first), so that its
+   tuning budget stays at least ours.
+3. Seeds 1 and 2 of each at its own best (by seed-0 loss), as soon as its sweep is done.
+4. The shipped setting (H = 100 int4 / bf16) and H = 100 with an int4 delta down link, three
+   seeds each, at the candidate's inner and outer lr.
 
 ``--jobs 2`` keeps two runs going, each pinned to a core of its own with one XLA thread (the
 jitted step uses one core better than two: BENCHMARKS.md §8), each in ``OUT/jobs/coreN``; a
@@ -41,16 +45,28 @@ H100 = "frontier H=100 int4/int4Δ"
 ARGS = {DDP: ["--only", DDP], CAND: ["--frontier", "50", "--only", CAND],
         SHIPPED: ["--only", SHIPPED], H100: ["--frontier", "100", "--only", H100]}
 START = (1e-3, 4e-4, 2e-3)  # swept first, in this order
-GRID = (2e-4, 4e-4, 1e-3, 2e-3, 4e-3, 8e-3)  # where a sweep may extend to, ascending
+GRID = (2e-4, 4e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # where a sweep may extend to, ascending
+# the candidate's outer learning rate, screened at its best inner rate (the default first)
+OUTER_DEFAULT = 0.7
+OUTER_START = (OUTER_DEFAULT, 0.4, 1.0)
+OUTER_GRID = (0.2, 0.4, 0.7, 1.0, 1.4)
+# data parallel's rates between those of GRID: it gets as many of them, nearest its best
+# first, as the candidate's outer screen has runs beyond the default (the same tuning budget)
+FINE = (3e-4, 6e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2)
 SEEDS = (0, 1, 2)
 
-Run = tuple[str, float, int]  # variant, inner lr, seed
+Run = tuple[str, float, int]  # variant (with " olr=<outer lr>" unless the default), inner lr, seed
 
 
 def name(run: Run) -> str:
     """The run's key in results.json (as `ops.bench.quality.sweep` names it)."""
     variant, lr, seed = run
     return f"{variant} lr={lr:g} seed={seed}"
+
+
+def with_outer(variant: str, olr: float) -> str:
+    """The variant at outer learning rate `olr` (its plain name at the default)."""
+    return variant if olr == OUTER_DEFAULT else f"{variant} olr={olr:g}"
 
 
 def losses(results: dict) -> dict[str, float]:
@@ -63,37 +79,77 @@ def losses(results: dict) -> dict[str, float]:
     return out
 
 
-def sweep(done: dict[str, float], variant: str) -> tuple[list[float], float | None]:
-    """(seed-0 learning rates still to run, the best lr once the sweep is complete)."""
-    swept = list(START)
+def _bracket(done: dict[str, float], key, start: tuple[float, ...],
+             grid: tuple[float, ...]) -> tuple[list[float], float | None, list[float]]:
+    """Sweep one rate over `grid` from `start` (loss of rate r: ``done[key(r)]``): (rates
+    still to run, the best rate once it is bracketed or at the grid's end, every rate the
+    sweep has asked for)."""
+    swept = list(start)
     while True:
-        todo = [lr for lr in swept if name((variant, lr, 0)) not in done]
+        todo = [r for r in swept if key(r) not in done]
         if todo:
-            return todo, None
-        best = min(swept, key=lambda lr: (done[name((variant, lr, 0))], lr))
-        i = GRID.index(best)
-        if best == max(swept) and i + 1 < len(GRID):
-            nxt = GRID[i + 1]
+            return todo, None, swept
+        best = min(swept, key=lambda r: (done[key(r)], r))
+        i = grid.index(best)
+        if best == max(swept) and i + 1 < len(grid):
+            nxt = grid[i + 1]
         elif best == min(swept) and i > 0:
-            nxt = GRID[i - 1]
+            nxt = grid[i - 1]
         else:
-            return [], best
+            return [], best, swept
         swept.append(nxt)
+
+
+def sweep(done: dict[str, float], variant: str) -> tuple[list[float], float | None]:
+    """(seed-0 inner learning rates still to run, the best once the sweep is complete)."""
+    todo, best, _ = _bracket(done, lambda lr: name((variant, lr, 0)), START, GRID)
+    return todo, best
+
+
+def outer_sweep(done: dict[str, float], lr: float) -> tuple[list[float], float | None, int]:
+    """The candidate's outer lr at inner lr `lr`, seed 0: (outer lrs still to run, the best
+    once bracketed, how many runs beyond the default the screen has asked for)."""
+    todo, best, swept = _bracket(done, lambda o: name((with_outer(CAND, o), lr, 0)),
+                                 OUTER_START, OUTER_GRID)
+    return todo, best, len(swept) - 1
+
+
+def fine(done: dict[str, float], best: float, n: int) -> tuple[list[float], float | None]:
+    """Data parallel's `n` extra seed-0 rates from FINE, nearest its grid-best `best` first:
+    (those still to run, its best over every seed-0 rate once they have run)."""
+    extra = sorted(FINE, key=lambda r: (abs(math.log(r / best)), r))[:n]
+    todo = [r for r in extra if name((DDP, r, 0)) not in done]
+    if todo:
+        return todo, None
+    rates = [r for r in (*GRID, *FINE) if name((DDP, r, 0)) in done]
+    return [], min(rates, key=lambda r: (done[name((DDP, r, 0))], r))
 
 
 def plan(done: dict[str, float]) -> list[Run]:
     """The runs still wanted that can start now, the most wanted first."""
-    ddp_todo, ddp_best = sweep(done, DDP)
-    cand_todo, cand_best = sweep(done, CAND)
+    ddp_todo, ddp_grid_best = sweep(done, DDP)
+    cand_todo, cand_lr = sweep(done, CAND)
+    ddp_runs = [(DDP, lr, 0) for lr in ddp_todo]
+    cand_runs = [(CAND, lr, 0) for lr in cand_todo]
+    ddp_best = cand_best = None
+    if cand_lr is not None:
+        outer_todo, olr, extra = outer_sweep(done, cand_lr)
+        cand_runs = [(with_outer(CAND, o), cand_lr, 0) for o in outer_todo]
+        if olr is not None:
+            cand_best = (with_outer(CAND, olr), cand_lr)
+        if ddp_grid_best is not None:
+            fine_todo, best = fine(done, ddp_grid_best, extra)
+            ddp_runs = [(DDP, lr, 0) for lr in fine_todo]
+            if olr is not None and best is not None:
+                ddp_best = (DDP, best)
     wanted: list[Run] = []
-    for i in range(max(len(ddp_todo), len(cand_todo))):
-        wanted += [(v, todo[i], 0) for v, todo in ((DDP, ddp_todo), (CAND, cand_todo))
-                   if i < len(todo)]
+    for i in range(max(len(ddp_runs), len(cand_runs))):
+        wanted += [runs[i] for runs in (ddp_runs, cand_runs) if i < len(runs)]
     for seed in SEEDS[1:]:
-        wanted += [(v, best, seed) for v, best in ((DDP, ddp_best), (CAND, cand_best))
-                   if best is not None]
+        wanted += [(v, lr, seed) for v, lr in (b for b in (ddp_best, cand_best) if b)]
     if cand_best is not None:
-        wanted += [(v, cand_best, s) for v in (SHIPPED, H100) for s in SEEDS]
+        olr_part = cand_best[0][len(CAND):]
+        wanted += [(v + olr_part, cand_best[1], s) for v in (SHIPPED, H100) for s in SEEDS]
     return [r for r in wanted if name(r) not in done]
 
 
@@ -118,8 +174,10 @@ def merge(out: Path, *dirs: Path) -> dict:
 
 def command(run: Run, out: Path) -> list[str]:
     variant, lr, seed = run
+    base, _, olr = variant.partition(" olr=")
     return [sys.executable, "-m", "ops.cli", "bench", "quality", "--model", "default",
-            "--out", str(out), *ARGS[variant], "--lrs", f"{lr:g}", "--seeds", str(seed)]
+            "--out", str(out), *ARGS[base], *(["--outer-lrs", olr] if olr else []),
+            "--lrs", f"{lr:g}", "--seeds", str(seed)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--lrs", default="", metavar="LR,LR,...",
                    help="run every variant at each inner learning rate (the same sweep for "
                         "ddp and ours; the gap is to ddp at its best lr)")
+    q.add_argument("--outer-lrs", default="", metavar="LR,LR,...",
+                   help="run every variant but ddp at each outer learning rate (named "
+                        "'<variant> olr=<lr>'; ddp has no outer step)")
     q.add_argument("--report", action="store_true",
                    help="print the tables over every run already in --out's results.json "
                         "(all sittings), running nothing")
@@ -136,6 +139,7 @@ def _quality(args: argparse.Namespace) -> int:
         frontier = [int(x) for x in args.frontier.split(",") if x.strip()]
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or None
         lrs = [float(x) for x in args.lrs.split(",") if x.strip()] or None
+        outer_lrs = [float(x) for x in args.outer_lrs.split(",") if x.strip()] or None
     except ValueError as e:
         return fail(str(e))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
@@ -148,6 +152,7 @@ def _quality(args: argparse.Namespace) -> int:
     try:
         print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
                                   poison=args.poison, seeds=seeds, lrs=lrs,
+                                  outer_lrs=outer_lrs,
                                   progress=_progress))
     except (ValueError, OSError) as e:
         return fail(str(e))

@@ -303,6 +303,13 @@ def test_the_quality_bench_sweeps_the_outer_rate_as_part_of_the_variant():
     assert quality._parse_label("dec olr=0.4 lr=0.001 seed=2") == ("dec olr=0.4", "0.001", 2)
     with pytest.raises(ValueError, match="outer learning rates .* repeat"):
         quality.sweep({"dec": base}, None, None, [0.4, 0.40000001])
+    # the outer momentum likewise, named before the outer rate
+    runs = quality.sweep({"ddp": cfgmod.override(base, mode="ddp"), "dec": base}, [0], None,
+                         [1.0], [0.0, 0.5])
+    assert list(runs) == ["ddp seed=0", "dec om=0 olr=1 seed=0", "dec om=0.5 olr=1 seed=0"]
+    assert runs["dec om=0 olr=1 seed=0"].outer.momentum == 0.0
+    assert runs["dec om=0.5 olr=1 seed=0"].outer.lr == 1.0
+    assert quality._parse_label("dec om=0.5 olr=1 seed=0") == ("dec om=0.5 olr=1", None, 0)
 
 
 def test_a_learner_that_never_hears_the_syncer_pushes_only_unmerged_progress(tmp_path,

@@ -12,7 +12,9 @@ from ops.bench.quality_default import (
     H100,
     SHIPPED,
     command,
+    inner_again,
     losses,
+    momentum_sweep,
     name,
     outer_sweep,
     plan,
@@ -89,7 +91,23 @@ def test_the_outer_screen_runs_beside_as_many_extra_rates_for_data_parallel():
                  name((DDP, 1.5e-3, 0)): 0.98, name((DDP, 6e-4, 0)): 1.1,
                  name((DDP, 3e-3, 0)): 1.05})
     assert outer_sweep(done, 2e-3) == ([], 1.0, 3)
+    # then the outer momentum at the best outer lr: 0.5 and 0.7 beside the default 0.9, and
+    # a fourth and fifth extra rate for data parallel
     cand = with_outer(CAND, 1.0)
+    assert plan(done) == [(DDP, 3e-4, 0), (with_outer(CAND, 1.0, 0.5), 2e-3, 0),
+                          (DDP, 6e-3, 0), (with_outer(CAND, 1.0, 0.7), 2e-3, 0)]
+    assert name(plan(done)[1]) == "frontier H=50 int4/int4Δ om=0.5 olr=1 lr=0.002 seed=0"
+    # both worse: the default 0.9 is the grid's top, so the screen ends there; the outer lr
+    # moved, so the inner rate is swept again at it from 2e-3's neighbours, and data parallel
+    # gets its sixth (last) extra rate
+    done.update({name((with_outer(CAND, 1.0, 0.5), 2e-3, 0)): 0.97,
+                 name((with_outer(CAND, 1.0, 0.7), 2e-3, 0)): 0.96,
+                 name((DDP, 3e-4, 0)): 1.4, name((DDP, 6e-3, 0)): 1.3})
+    assert momentum_sweep(done, 2e-3, 1.0) == ([], 0.9, 2)
+    assert plan(done) == [(DDP, 1.2e-2, 0), (cand, 4e-3, 0), (cand, 1e-3, 0)]
+    done.update({name((cand, 4e-3, 0)): 0.93, name((cand, 1e-3, 0)): 0.95,
+                 name((DDP, 1.2e-2, 0)): 1.5})
+    assert inner_again(done, cand, 2e-3) == ([], 2e-3, 2)
     want = plan(done)
     assert want[:4] == [(DDP, 1.5e-3, 1), (cand, 2e-3, 1), (DDP, 1.5e-3, 2), (cand, 2e-3, 2)]
     # the shipped and H = 100 rows at the candidate's outer lr too
@@ -98,13 +116,45 @@ def test_the_outer_screen_runs_beside_as_many_extra_rates_for_data_parallel():
     assert cmd[cmd.index("--only") + 1] == SHIPPED and cmd[cmd.index("--outer-lrs") + 1] == "1"
 
 
-def test_the_shipped_and_h100_rows_run_at_the_candidates_rate_after_its_seeds():
+def test_the_shipped_and_h100_rows_run_at_the_candidates_rates_after_its_seeds():
     done = _swept()
     done.update({name((with_outer(CAND, o), 1e-3, 0)): 1.1 for o in (0.4, 1.0)})
     done.update({name((DDP, lr, 0)): 1.1 for lr in (1.5e-3, 6e-4)})
+    # the outer lr stays the default 0.7; momentum 0.5 is best, at the screen's low end:
+    # it extends to 0.3, which is worse, so 0.5 is bracketed
+    cand = with_outer(CAND, 0.7, 0.5)
+    assert cand == "frontier H=50 int4/int4Δ om=0.5"
+    assert plan(done) == [(DDP, 3e-3, 0), (cand, 1e-3, 0), (DDP, 3e-4, 0),
+                          (with_outer(CAND, 0.7, 0.7), 1e-3, 0)]
+    done.update({name((cand, 1e-3, 0)): 0.9, name((with_outer(CAND, 0.7, 0.7), 1e-3, 0)): 0.93,
+                 name((DDP, 3e-3, 0)): 1.2, name((DDP, 3e-4, 0)): 1.3})
+    assert plan(done) == [(DDP, 6e-3, 0), (with_outer(CAND, 0.7, 0.3), 1e-3, 0)]
+    done.update({name((with_outer(CAND, 0.7, 0.3), 1e-3, 0)): 0.95, name((DDP, 6e-3, 0)): 1.3})
+    assert momentum_sweep(done, 1e-3, 0.7) == ([], 0.5, 3)
+    # the inner rate again at momentum 0.5: 2e-3 is better, then 4e-3 worse
+    assert plan(done) == [(DDP, 1.2e-2, 0), (cand, 2e-3, 0), (cand, 4e-4, 0)]
+    done.update({name((cand, 2e-3, 0)): 0.85, name((cand, 4e-4, 0)): 1.0,
+                 name((DDP, 1.2e-2, 0)): 1.4})
+    assert plan(done) == [(cand, 4e-3, 0)]
+    done[name((cand, 4e-3, 0))] = 0.88
+    assert inner_again(done, cand, 1e-3) == ([], 2e-3, 3)
     want = plan(done)
-    assert want[:4] == [(DDP, 1e-3, 1), (CAND, 1e-3, 1), (DDP, 1e-3, 2), (CAND, 1e-3, 2)]
-    assert want[4:] == [(v, 1e-3, s) for v in (SHIPPED, H100) for s in (0, 1, 2)]
-    assert "--outer-lrs" not in command(want[4], Path("out"))
+    assert want[:4] == [(DDP, 1e-3, 1), (cand, 2e-3, 1), (DDP, 1e-3, 2), (cand, 2e-3, 2)]
+    assert want[4:] == [(f"{v} om=0.5", 2e-3, s) for v in (SHIPPED, H100) for s in (0, 1, 2)]
+    cmd = command(want[4], Path("out"))
+    assert "--outer-lrs" not in cmd and cmd[cmd.index("--outer-momenta") + 1] == "0.5"
+    assert cmd[cmd.index("--only") + 1] == SHIPPED
     done.update({name(r): 1.0 for r in want})
     assert plan(done) == []
+
+
+def test_at_the_default_outer_settings_the_inner_sweep_is_not_repeated():
+    done = _swept()
+    done.update({name((with_outer(CAND, o), 1e-3, 0)): 1.1 for o in (0.4, 1.0)})
+    done.update({name((with_outer(CAND, 0.7, m), 1e-3, 0)): 1.1 for m in (0.5, 0.7)})
+    assert inner_again(done, CAND, 1e-3) == ([], 1e-3, 0)
+    # four extra rates for data parallel (two per screen); the candidate's seeds meanwhile
+    assert plan(done)[:6] == [*((DDP, r, 0) for r in (1.5e-3, 6e-4, 3e-3, 3e-4)),
+                              (CAND, 1e-3, 1), (CAND, 1e-3, 2)]
+    done.update({name((DDP, r, 0)): 1.2 for r in (1.5e-3, 6e-4, 3e-3, 3e-4)})
+    assert plan(done)[:2] == [(DDP, 1e-3, 1), (CAND, 1e-3, 1)]

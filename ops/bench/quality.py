@@ -116,31 +116,37 @@ def poison_variants(base: RunConfig) -> dict[str, RunConfig]:
 
 def sweep(runs: dict[str, RunConfig], seeds: list[int] | None,
           lrs: list[float] | None,
-          outer_lrs: list[float] | None = None) -> dict[str, RunConfig]:
-    """Every run at each outer learning rate, inner learning rate and seed:
-    ``"<name> olr=<outer lr> lr=<lr> seed=<s>"`` (each part only when swept). Every variant gets
-    the same sweep: the baseline's tuning budget is ours. An outer lr is part of the variant's
-    name (``_parse_label``); data parallel has no outer step and is not swept over it."""
-    if not seeds and not lrs and not outer_lrs:
+          outer_lrs: list[float] | None = None,
+          outer_momenta: list[float] | None = None) -> dict[str, RunConfig]:
+    """Every run at each outer momentum, outer learning rate, inner learning rate and seed:
+    ``"<name> om=<momentum> olr=<outer lr> lr=<lr> seed=<s>"`` (each part only when swept).
+    Every variant gets the same sweep: the baseline's tuning budget is ours. The outer
+    settings are part of the variant's name (``_parse_label``); data parallel has no outer
+    step and is not swept over them."""
+    if not seeds and not lrs and not outer_lrs and not outer_momenta:
         return runs
-    for what, rates in (("learning rates", lrs), ("outer learning rates", outer_lrs)):
+    for what, rates in (("learning rates", lrs), ("outer learning rates", outer_lrs),
+                        ("outer momenta", outer_momenta)):
         if rates and len({f"{lr:g}" for lr in rates}) != len(rates):
             raise ValueError(f"{what} {rates} repeat (or differ beyond 6 digits)")
     if seeds and len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds {seeds} repeat")
     out: dict[str, RunConfig] = {}
     for name, cfg in runs.items():
-        for olr in (outer_lrs if outer_lrs and cfg.mode != "ddp" else [None]):
-            for lr in lrs or [None]:
-                for seed in seeds or [None]:
-                    label, upd = name, {}
-                    if olr is not None:
-                        label, upd["outer.lr"] = f"{label} olr={olr:g}", olr
-                    if lr is not None:
-                        label, upd["inner.lr"] = f"{label} lr={lr:g}", lr
-                    if seed is not None:
-                        label, upd["seed"] = f"{label} seed={seed}", seed
-                    out[label] = cfgmod.override(cfg, **upd)
+        outer = cfg.mode != "ddp"
+        for om in (outer_momenta if outer_momenta and outer else [None]):
+            for olr in (outer_lrs if outer_lrs and outer else [None]):
+                for lr in lrs or [None]:
+                    for seed in seeds or [None]:
+                        label, upd = name, {}
+                        for part, key, value in (("om", "outer.momentum", om),
+                                                 ("olr", "outer.lr", olr),
+                                                 ("lr", "inner.lr", lr)):
+                            if value is not None:
+                                label, upd[key] = f"{label} {part}={value:g}", value
+                        if seed is not None:
+                            label, upd["seed"] = f"{label} seed={seed}", seed
+                        out[label] = cfgmod.override(cfg, **upd)
     return out
 
 
@@ -148,13 +154,15 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
                 frontier: list[int] | None = None, poison: bool = False,
                 seeds: list[int] | None = None, lrs: list[float] | None = None,
                 outer_lrs: list[float] | None = None,
+                outer_momenta: list[float] | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
     """Run the variants (and the frontier over H) at equal tokens; write ``results.json``,
     ``loss_vs_tokens.png`` and ``results.md`` to `out`; return the markdown table. With
     `poison`, the poison-guard variants (`poison_variants`) instead, plus ddp. `only` names
-    variants before the sweep; `seeds`, `lrs` and `outer_lrs` run each at every seed, inner lr
-    and outer lr (the table then adds the mean ± spread over seeds, `seeds_markdown`). The
-    runs are done in the order of `only` (the most wanted first when a sitting ends)."""
+    variants before the sweep; `seeds`, `lrs`, `outer_lrs` and `outer_momenta` run each at
+    every seed, inner lr, outer lr and outer momentum (the table then adds the mean ± spread
+    over seeds, `seeds_markdown`). The runs are done in the order of `only` (the most wanted
+    first when a sitting ends)."""
     runs = variants(base)
     if poison:
         runs = {"ddp": runs["ddp"], **poison_variants(base)}
@@ -168,7 +176,7 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
         if unknown:
             raise ValueError(f"unknown variants {unknown}; known: {sorted(runs)}")
         runs = {k: runs[k] for k in only}
-    runs = sweep(runs, seeds, lrs, outer_lrs)
+    runs = sweep(runs, seeds, lrs, outer_lrs, outer_momenta)
     out.mkdir(parents=True, exist_ok=True)
     corpus = run_corpus(base)
     # a run already in results.json with the same configuration is not run again, so a long
@@ -197,7 +205,7 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
         (out / "results.json").write_text(json.dumps(results, indent=1))
     artifacts.plot_loss(out / "loss_vs_tokens.png", {k: v["history"] for k, v in results.items()},
                         title=f"eval loss vs tokens, M={base.learners}, in-process engine")
-    if seeds or lrs or outer_lrs:
+    if seeds or lrs or outer_lrs or outer_momenta:
         # the tables cover this invocation's runs (and the ddp runs it can compare with), not
         # other sittings' kept runs of other configurations
         mine = {k: v for k, v in results.items()

@@ -14,12 +14,17 @@ What runs, the most wanted first (`plan`):
    best lr is at an end of what it has swept, the next rate of `GRID` beyond it, so that
    every variant's best is bracketed (or at the grid's end).
 2. **The candidate's outer learning rate** at its best inner lr: 0.4 and 1.0 beside the
-   default 0.7, extended along `OUTER_GRID` by the same rule; and **as many more rates for
-   data parallel** (`FINE`, between those of `GRID`, nearest its best first), so that its
+   default 0.7, extended along `OUTER_GRID` by the same rule; then **its outer momentum** at
+   its best inner and outer rate: 0.5 and 0.7 beside the default 0.9, extended along
+   `MOMENTUM_GRID`; then, where the outer settings moved from the defaults, **its inner
+   learning rate again** at them, from the best rate and its two neighbours on `GRID`, by
+   the rule of 1 (a lower momentum moves the best inner rate up: BENCHMARKS.md §1.4); and
+   **as many more rates for data parallel** (`FINE`, between those of `GRID`, nearest its
+   best first) as these screens ran beyond the defaults (at most all six), so that its
    tuning budget stays at least ours.
 3. Seeds 1 and 2 of each at its own best (by seed-0 loss), as soon as its sweep is done.
 4. The shipped setting (H = 100 int4 / bf16) and H = 100 with an int4 delta down link, three
-   seeds each, at the candidate's inner and outer lr.
+   seeds each, at the candidate's inner lr, outer lr and outer momentum.
 
 ``--jobs 2`` keeps two runs going, each pinned to a core of its own with one XLA thread (the
 jitted step uses one core better than two: BENCHMARKS.md §8), each in ``OUT/jobs/coreN``; a
@@ -50,12 +55,17 @@ GRID = (2e-4, 4e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # where a sweep may extend 
 OUTER_DEFAULT = 0.7
 OUTER_START = (OUTER_DEFAULT, 0.4, 1.0)
 OUTER_GRID = (0.2, 0.4, 0.7, 1.0, 1.4)
+# then its outer Nesterov momentum, at its best inner and outer rate (the default first)
+MOMENTUM_DEFAULT = 0.9
+MOMENTUM_START = (MOMENTUM_DEFAULT, 0.5, 0.7)
+MOMENTUM_GRID = (0.0, 0.3, 0.5, 0.7, 0.9)
 # data parallel's rates between those of GRID: it gets as many of them, nearest its best
 # first, as the candidate's outer screen has runs beyond the default (the same tuning budget)
 FINE = (3e-4, 6e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2)
 SEEDS = (0, 1, 2)
 
-Run = tuple[str, float, int]  # variant (with " olr=<outer lr>" unless the default), inner lr, seed
+# variant (with " om=<outer momentum>", " olr=<outer lr>" where not the default), inner lr, seed
+Run = tuple[str, float, int]
 
 
 def name(run: Run) -> str:
@@ -64,9 +74,11 @@ def name(run: Run) -> str:
     return f"{variant} lr={lr:g} seed={seed}"
 
 
-def with_outer(variant: str, olr: float) -> str:
-    """The variant at outer learning rate `olr` (its plain name at the default)."""
-    return variant if olr == OUTER_DEFAULT else f"{variant} olr={olr:g}"
+def with_outer(variant: str, olr: float, momentum: float = MOMENTUM_DEFAULT) -> str:
+    """The variant at outer learning rate `olr` and outer momentum `momentum`, named as
+    `ops.bench.quality.sweep` names it (each part only where not the default)."""
+    return (variant + ("" if momentum == MOMENTUM_DEFAULT else f" om={momentum:g}")
+            + ("" if olr == OUTER_DEFAULT else f" olr={olr:g}"))
 
 
 def losses(results: dict) -> dict[str, float]:
@@ -114,6 +126,29 @@ def outer_sweep(done: dict[str, float], lr: float) -> tuple[list[float], float |
     return todo, best, len(swept) - 1
 
 
+def momentum_sweep(done: dict[str, float], lr: float,
+                   olr: float) -> tuple[list[float], float | None, int]:
+    """The candidate's outer momentum at inner lr `lr` and outer lr `olr`, seed 0: (momenta
+    still to run, the best once bracketed, how many runs beyond the default it asked for)."""
+    todo, best, swept = _bracket(done, lambda m: name((with_outer(CAND, olr, m), lr, 0)),
+                                 MOMENTUM_START, MOMENTUM_GRID)
+    return todo, best, len(swept) - 1
+
+
+def inner_again(done: dict[str, float], variant: str,
+                lr: float) -> tuple[list[float], float | None, int]:
+    """`variant` (the candidate at its screened outer settings) over the inner rate again,
+    seed 0, from `lr` and its neighbours on GRID: (rates still to run, the best once
+    bracketed, how many runs beyond `lr` it asked for; none where the outer settings are the
+    defaults, whose inner sweep this is)."""
+    if variant == CAND:
+        return [], lr, 0
+    i = GRID.index(lr)
+    start = (lr, *GRID[i + 1:i + 2], *GRID[max(i - 1, 0):i])
+    todo, best, swept = _bracket(done, lambda r: name((variant, r, 0)), start, GRID)
+    return todo, best, len(swept) - 1
+
+
 def fine(done: dict[str, float], best: float, n: int) -> tuple[list[float], float | None]:
     """Data parallel's `n` extra seed-0 rates from FINE, nearest its grid-best `best` first:
     (those still to run, its best over every seed-0 rate once they have run)."""
@@ -136,11 +171,20 @@ def plan(done: dict[str, float]) -> list[Run]:
         outer_todo, olr, extra = outer_sweep(done, cand_lr)
         cand_runs = [(with_outer(CAND, o), cand_lr, 0) for o in outer_todo]
         if olr is not None:
-            cand_best = (with_outer(CAND, olr), cand_lr)
+            mom_todo, om, more = momentum_sweep(done, cand_lr, olr)
+            extra += more
+            cand_runs = [(with_outer(CAND, olr, m), cand_lr, 0) for m in mom_todo]
+            if om is not None:
+                outer = with_outer(CAND, olr, om)
+                lr_todo, lr2, more = inner_again(done, outer, cand_lr)
+                extra += more
+                cand_runs = [(outer, r, 0) for r in lr_todo]
+                if lr2 is not None:
+                    cand_best = (outer, lr2)
         if ddp_grid_best is not None:
             fine_todo, best = fine(done, ddp_grid_best, extra)
             ddp_runs = [(DDP, lr, 0) for lr in fine_todo]
-            if olr is not None and best is not None:
+            if cand_best is not None and best is not None:
                 ddp_best = (DDP, best)
     wanted: list[Run] = []
     for i in range(max(len(ddp_runs), len(cand_runs))):
@@ -148,8 +192,8 @@ def plan(done: dict[str, float]) -> list[Run]:
     for seed in SEEDS[1:]:
         wanted += [(v, lr, seed) for v, lr in (b for b in (ddp_best, cand_best) if b)]
     if cand_best is not None:
-        olr_part = cand_best[0][len(CAND):]
-        wanted += [(v + olr_part, cand_best[1], s) for v in (SHIPPED, H100) for s in SEEDS]
+        outer_part = cand_best[0][len(CAND):]
+        wanted += [(v + outer_part, cand_best[1], s) for v in (SHIPPED, H100) for s in SEEDS]
     return [r for r in wanted if name(r) not in done]
 
 
@@ -175,9 +219,10 @@ def merge(out: Path, *dirs: Path) -> dict:
 def command(run: Run, out: Path) -> list[str]:
     variant, lr, seed = run
     base, _, olr = variant.partition(" olr=")
+    base, _, om = base.partition(" om=")
     return [sys.executable, "-m", "ops.cli", "bench", "quality", "--model", "default",
-            "--out", str(out), *ARGS[base], *(["--outer-lrs", olr] if olr else []),
-            "--lrs", f"{lr:g}", "--seeds", str(seed)]
+            "--out", str(out), *ARGS[base], *(["--outer-momenta", om] if om else []),
+            *(["--outer-lrs", olr] if olr else []), "--lrs", f"{lr:g}", "--seeds", str(seed)]
 
 
 def main(argv: list[str] | None = None) -> int:

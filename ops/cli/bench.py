@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--outer-lrs", default="", metavar="LR,LR,...",
                    help="run every variant but ddp at each outer learning rate (named "
                         "'<variant> olr=<lr>'; ddp has no outer step)")
+    q.add_argument("--outer-momenta", default="", metavar="M,M,...",
+                   help="run every variant but ddp at each outer Nesterov momentum (named "
+                        "'<variant> om=<m>')")
     q.add_argument("--report", action="store_true",
                    help="print the tables over every run already in --out's results.json "
                         "(all sittings), running nothing")
@@ -140,6 +143,7 @@ def _quality(args: argparse.Namespace) -> int:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or None
         lrs = [float(x) for x in args.lrs.split(",") if x.strip()] or None
         outer_lrs = [float(x) for x in args.outer_lrs.split(",") if x.strip()] or None
+        outer_momenta = [float(x) for x in args.outer_momenta.split(",") if x.strip()] or None
     except ValueError as e:
         return fail(str(e))
     only = [s.strip() for s in args.only.split(",")] if args.only else None
@@ -152,7 +156,7 @@ def _quality(args: argparse.Namespace) -> int:
     try:
         print(quality.run_quality(base, Path(args.out), only=only, frontier=frontier,
                                   poison=args.poison, seeds=seeds, lrs=lrs,
-                                  outer_lrs=outer_lrs,
+                                  outer_lrs=outer_lrs, outer_momenta=outer_momenta,
                                   progress=_progress))
     except (ValueError, OSError) as e:
         return fail(str(e))

@@ -3,8 +3,11 @@ wants next given the finished ones — the same learning-rate sweep rule for dat
 the candidate, extended until each one's best rate is bracketed."""
 from __future__ import annotations
 
+import fcntl
 import math
 from pathlib import Path
+
+import pytest
 
 from ops.bench.quality_default import (
     CAND,
@@ -14,6 +17,7 @@ from ops.bench.quality_default import (
     command,
     inner_again,
     losses,
+    main,
     momentum_sweep,
     name,
     outer_sweep,
@@ -158,3 +162,15 @@ def test_at_the_default_outer_settings_the_inner_sweep_is_not_repeated():
                               (CAND, 1e-3, 1), (CAND, 1e-3, 2)]
     done.update({name((DDP, r, 0)): 1.2 for r in (1.5e-3, 6e-4, 3e-3, 3e-4)})
     assert plan(done)[:2] == [(DDP, 1e-3, 1), (CAND, 1e-3, 1)]
+
+
+def test_a_second_planner_on_the_same_folder_is_refused(tmp_path, capsys):
+    """Two planners on one folder would run every wanted run twice, each at half speed."""
+    with open(tmp_path / "planner.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(tmp_path)])
+        assert e.value.code == 2
+        assert "another planner is running" in capsys.readouterr().err
+        # the dry run only reads, so it goes on beside a running planner
+        assert main(["--out", str(tmp_path), "--dry-run"]) == 0

@@ -30,11 +30,13 @@ What runs, the most wanted first (`plan`):
 jitted step uses one core better than two: BENCHMARKS.md §8), each in ``OUT/jobs/coreN``; a
 run's result is merged into ``OUT/results.json`` as soon as it ends and the next wanted run
 starts on the freed core. The runs are at equal tokens, so their results do not depend on
-how they share the machine. At the end: the tables over every run (``--report``).
+how they share the machine. At the end: the tables over every run (``--report``). One
+planner per OUT (``OUT/planner.lock``): a second is refused; ``--dry-run`` only reads.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -242,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in plan(losses(_read(a.out / "results.json"))):
             print(name(r))
         return 0
+    # one planner per OUT: a second would start the same runs again in the same job folders
+    lock = open(a.out / "planner.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        ap.error(f"another planner is running on {a.out} (it holds {a.out}/planner.lock)")
     running: dict[int, tuple[subprocess.Popen, Run, Path]] = {}  # core → job
     failed: list[str] = []
     while True:

@@ -62,7 +62,7 @@ MOMENTUM_DEFAULT = 0.9
 MOMENTUM_START = (MOMENTUM_DEFAULT, 0.5, 0.7)
 MOMENTUM_GRID = (0.0, 0.3, 0.5, 0.7, 0.9)
 # data parallel's rates between those of GRID: it gets as many of them, nearest its best
-# first, as the candidate's outer screen has runs beyond the default (the same tuning budget)
+# first, as the candidate's screens after its inner sweep ran (the same tuning budget)
 FINE = (3e-4, 6e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2)
 SEEDS = (0, 1, 2)
 

@@ -94,15 +94,15 @@ def losses(results: dict) -> dict[str, float]:
 
 
 def _bracket(done: dict[str, float], key, start: tuple[float, ...],
-             grid: tuple[float, ...]) -> tuple[list[float], float | None, list[float]]:
+             grid: tuple[float, ...]) -> tuple[list[float], float | None, int]:
     """Sweep one rate over `grid` from `start` (loss of rate r: ``done[key(r)]``): (rates
-    still to run, the best rate once it is bracketed or at the grid's end, every rate the
-    sweep has asked for)."""
+    still to run, the best rate once it is bracketed or at the grid's end, how many rates
+    the sweep has asked for beyond the first of `start`)."""
     swept = list(start)
     while True:
         todo = [r for r in swept if key(r) not in done]
         if todo:
-            return todo, None, swept
+            return todo, None, len(swept) - 1
         best = min(swept, key=lambda r: (done[key(r)], r))
         i = grid.index(best)
         if best == max(swept) and i + 1 < len(grid):
@@ -110,7 +110,7 @@ def _bracket(done: dict[str, float], key, start: tuple[float, ...],
         elif best == min(swept) and i > 0:
             nxt = grid[i - 1]
         else:
-            return [], best, swept
+            return [], best, len(swept) - 1
         swept.append(nxt)
 
 
@@ -123,18 +123,16 @@ def sweep(done: dict[str, float], variant: str) -> tuple[list[float], float | No
 def outer_sweep(done: dict[str, float], lr: float) -> tuple[list[float], float | None, int]:
     """The candidate's outer lr at inner lr `lr`, seed 0: (outer lrs still to run, the best
     once bracketed, how many runs beyond the default the screen has asked for)."""
-    todo, best, swept = _bracket(done, lambda o: name((with_outer(CAND, o), lr, 0)),
-                                 OUTER_START, OUTER_GRID)
-    return todo, best, len(swept) - 1
+    return _bracket(done, lambda o: name((with_outer(CAND, o), lr, 0)),
+                    OUTER_START, OUTER_GRID)
 
 
 def momentum_sweep(done: dict[str, float], lr: float,
                    olr: float) -> tuple[list[float], float | None, int]:
     """The candidate's outer momentum at inner lr `lr` and outer lr `olr`, seed 0: (momenta
     still to run, the best once bracketed, how many runs beyond the default it asked for)."""
-    todo, best, swept = _bracket(done, lambda m: name((with_outer(CAND, olr, m), lr, 0)),
-                                 MOMENTUM_START, MOMENTUM_GRID)
-    return todo, best, len(swept) - 1
+    return _bracket(done, lambda m: name((with_outer(CAND, olr, m), lr, 0)),
+                    MOMENTUM_START, MOMENTUM_GRID)
 
 
 def inner_again(done: dict[str, float], variant: str,
@@ -147,8 +145,7 @@ def inner_again(done: dict[str, float], variant: str,
         return [], lr, 0
     i = GRID.index(lr)
     start = (lr, *GRID[i + 1:i + 2], *GRID[max(i - 1, 0):i])
-    todo, best, swept = _bracket(done, lambda r: name((variant, r, 0)), start, GRID)
-    return todo, best, len(swept) - 1
+    return _bracket(done, lambda r: name((variant, r, 0)), start, GRID)
 
 
 def fine(done: dict[str, float], best: float, n: int) -> tuple[list[float], float | None]:

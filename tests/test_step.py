@@ -42,3 +42,38 @@ def test_the_shipped_forward_and_its_gradient_equal_the_previous_ones(shape):
 
 def test_step_flops_counts_six_per_parameter_and_token_plus_attention():
     assert step_flops(128, 4, 128, 1000, 10) == 6 * 1000 * 10 + 12 * 4 * 128 * 128 * 10
+
+
+def test_the_pytorch_reference_is_the_same_model_with_the_same_gradients():
+    """`diloco bench step` times a PyTorch twin of the model: it must compute the JAX model's
+    loss and gradients from the same parameters, or the comparison compares nothing."""
+    pytest.importorskip("torch")
+    from ops.bench import step_torch
+
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
+    params = {k: np.asarray(v) for k, v in model.init_params(cfg, 0).items()}
+    batch = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (3, cfg.seq_len + 1), 0,
+                                          cfg.vocab_size), np.int32)
+    (j_loss, j_acc), j_grads = jax.value_and_grad(model.loss_and_accuracy, has_aux=True)(
+        params, jnp.asarray(batch), cfg)
+    assert step_torch.check_same_model(params, batch, cfg, float(j_loss)) == pytest.approx(
+        float(j_loss), rel=1e-5)
+    tp = step_torch.to_torch(params)
+    t_loss, t_acc = step_torch._loss_and_accuracy(tp, step_torch._tokens(batch), cfg)
+    t_loss.backward()
+    assert float(t_acc) == pytest.approx(float(j_acc))
+    for k in params:
+        np.testing.assert_allclose(tp[k].grad.numpy(), np.asarray(j_grads[k]), rtol=1e-4,
+                                   atol=1e-6, err_msg=k)
+    # a different model is refused before anything is timed
+    with pytest.raises(AssertionError, match="not the same model"):
+        step_torch.check_same_model(params, batch, cfg, float(j_loss) + 0.01)
+
+
+def test_the_benchmark_records_why_the_pytorch_reference_did_not_run(monkeypatch):
+    import sys
+
+    from ops.bench import step_torch
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # what an absent torch looks like
+    assert "torch is not installed" in step_torch.available()

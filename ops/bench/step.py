@@ -11,7 +11,9 @@ Side by side in one run, at each thread count (all cores, and one core):
   seq_len × tokens (the attention scores and their use, forward and backward), so efficiency
   = achieved FLOP/s ÷ the best matmul FLOP/s at the same thread count;
 * the learner loop: one real learner process (syncing to a real syncer and Redis, learner on
-  core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core.
+  core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core;
+* the same model's step in PyTorch, eager and compiled (`ops.bench.step_torch`), at the same
+  thread count and against the same matmul rate, when torch is installed.
 
 Every measurement of a thread count runs in its own process (XLA and OpenBLAS fix their
 thread pools when they start), pinned with ``taskset`` where the machine has it.
@@ -129,7 +131,25 @@ def measure(steps: int) -> dict[str, Any]:
         out[name] = {"step_s_median": med, "step_s_min": min(times),
                      "gflops": flops / med / 1e9, "efficiency": flops / med / 1e9 / peak,
                      "loss_after": float(m["loss"])}
+    out["pytorch"] = _pytorch(cfg, task, np.asarray(batch), steps, flops, peak,
+                              out["threads"])
     return out
+
+
+def _pytorch(cfg, task, batch: np.ndarray, steps: int, flops: float, peak: float,
+             threads: int) -> dict[str, Any]:
+    """The same model's step in PyTorch (`ops.bench.step_torch`), from the same initial
+    parameters, checked to give the JAX loss first; the reason when torch is missing."""
+    from ops.bench import step_torch
+
+    why = step_torch.available()
+    if why is not None:
+        return {"skipped": why}
+    p0 = {k: np.asarray(v) for k, v in task.init_params(cfg.seed).items()}
+    jax_loss = float(task.loss_and_accuracy(p0, batch)[0])
+    torch_loss = step_torch.check_same_model(p0, batch, cfg.model, jax_loss)
+    res = step_torch.measure(p0, batch, cfg.model, cfg.inner, steps, flops, peak, threads)
+    return {"initial_loss_jax": jax_loss, "initial_loss_torch": torch_loss, **res}
 
 
 def _child(threads: int | None, steps: int) -> dict[str, Any]:

@@ -126,29 +126,22 @@ def measure(params: dict[str, np.ndarray], batch: np.ndarray, cfg, inner, steps:
         opt = torch.optim.AdamW(list(p.values()), lr=inner.lr, betas=(inner.b1, inner.b2),
                                 weight_decay=inner.weight_decay, fused=True)
         leaves = list(p.values())
+        fwd = _loss_and_accuracy
+        if name == "compiled":
+            try:
+                fwd = torch.compile(_loss_and_accuracy)
+            except Exception as e:  # recorded in the result; the eager figure stands alone
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
 
-        def step(p=p, opt=opt, leaves=leaves):
+        def step(p=p, opt=opt, leaves=leaves, fwd=fwd):
             opt.zero_grad(set_to_none=True)
-            loss, acc = _loss_and_accuracy(p, tb, cfg)
+            loss, acc = fwd(p, tb, cfg)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(leaves, inner.clip, foreach=True)
             opt.step()
             return loss, acc
 
-        if name == "compiled":
-            try:
-                fwd_bwd = torch.compile(_loss_and_accuracy)
-            except Exception as e:  # recorded in the result; the eager figure stands alone
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-
-            def step(p=p, opt=opt, leaves=leaves, fwd_bwd=fwd_bwd):
-                opt.zero_grad(set_to_none=True)
-                loss, acc = fwd_bwd(p, tb, cfg)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(leaves, inner.clip, foreach=True)
-                opt.step()
-                return loss, acc
         t0 = time.perf_counter()
         try:
             for _ in range(3):  # warm-up (and, compiled, the compilation)

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ops.bench.step import N_MATMUL, _best
+
 
 def available() -> str | None:
     """None when torch can be imported, else the reason it cannot."""
@@ -110,17 +112,10 @@ def measure(params: dict[str, np.ndarray], batch: np.ndarray, cfg, inner, steps:
 
     torch.set_num_threads(threads)
     tb = _tokens(batch)
-    n = 1024
+    n = N_MATMUL
     a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(20):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
     out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                           "matmul_torch_gflops": 2.0 * n**3 / best / 1e9}
+                           "matmul_torch_gflops": 2.0 * n**3 / _best(lambda: a @ b, 20) / 1e9}
     for name in ("eager", "compiled"):
         p = to_torch(params)
         opt = torch.optim.AdamW(list(p.values()), lr=inner.lr, betas=(inner.b1, inner.b2),

@@ -84,33 +84,30 @@ def test_the_outer_screen_runs_beside_as_many_extra_rates_for_data_parallel():
     assert want == [(DDP, 1.5e-3, 0), (with_outer(CAND, 0.4), 2e-3, 0), (DDP, 6e-4, 0),
                     (with_outer(CAND, 1.0), 2e-3, 0)]
     assert name(want[1]) == "frontier H=50 int4/int4Δ olr=0.4 lr=0.002 seed=0"
-    # 1.0 is best, at the top of the screen: it extends to 1.4, and data parallel gets a third
+    # 1.0 is best, at the top of the screen: it extends to 1.4; data parallel gets no third
+    # extra rate: its two are all that lie between its best's neighbours on the grid
     done.update({name((with_outer(CAND, 0.4), 2e-3, 0)): 1.1,
                  name((with_outer(CAND, 1.0), 2e-3, 0)): 0.9})
     assert outer_sweep(done, 2e-3) == ([1.4], None, 3)
     assert plan(done) == [(DDP, 1.5e-3, 0), (with_outer(CAND, 1.4), 2e-3, 0),
-                          (DDP, 6e-4, 0), (DDP, 3e-3, 0)]
+                          (DDP, 6e-4, 0)]
     # 1.4 is worse: 1.0 is bracketed; a finer rate beats data parallel's grid best
     done.update({name((with_outer(CAND, 1.4), 2e-3, 0)): 0.95,
                  name((DDP, 1.5e-3, 0)): 0.98, name((DDP, 6e-4, 0)): 1.1,
                  name((DDP, 3e-3, 0)): 1.05})
     assert outer_sweep(done, 2e-3) == ([], 1.0, 3)
-    # then the outer momentum at the best outer lr: 0.5 and 0.7 beside the default 0.9, and
-    # a fourth and fifth extra rate for data parallel
+    # then the outer momentum at the best outer lr: 0.5 and 0.7 beside the default 0.9
     cand = with_outer(CAND, 1.0)
-    assert plan(done) == [(DDP, 3e-4, 0), (with_outer(CAND, 1.0, 0.5), 2e-3, 0),
-                          (DDP, 6e-3, 0), (with_outer(CAND, 1.0, 0.7), 2e-3, 0)]
-    assert name(plan(done)[1]) == "frontier H=50 int4/int4Δ om=0.5 olr=1 lr=0.002 seed=0"
+    assert plan(done) == [(with_outer(CAND, 1.0, 0.5), 2e-3, 0),
+                          (with_outer(CAND, 1.0, 0.7), 2e-3, 0)]
+    assert name(plan(done)[0]) == "frontier H=50 int4/int4Δ om=0.5 olr=1 lr=0.002 seed=0"
     # both worse: the default 0.9 is the grid's top, so the screen ends there; the outer lr
-    # moved, so the inner rate is swept again at it from 2e-3's neighbours, and data parallel
-    # gets its sixth (last) extra rate
+    # moved, so the inner rate is swept again at it from 2e-3's neighbours
     done.update({name((with_outer(CAND, 1.0, 0.5), 2e-3, 0)): 0.97,
-                 name((with_outer(CAND, 1.0, 0.7), 2e-3, 0)): 0.96,
-                 name((DDP, 3e-4, 0)): 1.4, name((DDP, 6e-3, 0)): 1.3})
+                 name((with_outer(CAND, 1.0, 0.7), 2e-3, 0)): 0.96})
     assert momentum_sweep(done, 2e-3, 1.0) == ([], 0.9, 2)
-    assert plan(done) == [(DDP, 1.2e-2, 0), (cand, 4e-3, 0), (cand, 1e-3, 0)]
-    done.update({name((cand, 4e-3, 0)): 0.93, name((cand, 1e-3, 0)): 0.95,
-                 name((DDP, 1.2e-2, 0)): 1.5})
+    assert plan(done) == [(cand, 4e-3, 0), (cand, 1e-3, 0)]
+    done.update({name((cand, 4e-3, 0)): 0.93, name((cand, 1e-3, 0)): 0.95})
     assert inner_again(done, cand, 2e-3) == ([], 2e-3, 2)
     want = plan(done)
     assert want[:4] == [(DDP, 1.5e-3, 1), (cand, 2e-3, 1), (DDP, 1.5e-3, 2), (cand, 2e-3, 2)]
@@ -128,17 +125,14 @@ def test_the_shipped_and_h100_rows_run_at_the_candidates_rates_after_its_seeds()
     # it extends to 0.3, which is worse, so 0.5 is bracketed
     cand = with_outer(CAND, 0.7, 0.5)
     assert cand == "frontier H=50 int4/int4Δ om=0.5"
-    assert plan(done) == [(DDP, 3e-3, 0), (cand, 1e-3, 0), (DDP, 3e-4, 0),
-                          (with_outer(CAND, 0.7, 0.7), 1e-3, 0)]
-    done.update({name((cand, 1e-3, 0)): 0.9, name((with_outer(CAND, 0.7, 0.7), 1e-3, 0)): 0.93,
-                 name((DDP, 3e-3, 0)): 1.2, name((DDP, 3e-4, 0)): 1.3})
-    assert plan(done) == [(DDP, 6e-3, 0), (with_outer(CAND, 0.7, 0.3), 1e-3, 0)]
-    done.update({name((with_outer(CAND, 0.7, 0.3), 1e-3, 0)): 0.95, name((DDP, 6e-3, 0)): 1.3})
+    assert plan(done) == [(cand, 1e-3, 0), (with_outer(CAND, 0.7, 0.7), 1e-3, 0)]
+    done.update({name((cand, 1e-3, 0)): 0.9, name((with_outer(CAND, 0.7, 0.7), 1e-3, 0)): 0.93})
+    assert plan(done) == [(with_outer(CAND, 0.7, 0.3), 1e-3, 0)]
+    done.update({name((with_outer(CAND, 0.7, 0.3), 1e-3, 0)): 0.95})
     assert momentum_sweep(done, 1e-3, 0.7) == ([], 0.5, 3)
     # the inner rate again at momentum 0.5: 2e-3 is better, then 4e-3 worse
-    assert plan(done) == [(DDP, 1.2e-2, 0), (cand, 2e-3, 0), (cand, 4e-4, 0)]
-    done.update({name((cand, 2e-3, 0)): 0.85, name((cand, 4e-4, 0)): 1.0,
-                 name((DDP, 1.2e-2, 0)): 1.4})
+    assert plan(done) == [(cand, 2e-3, 0), (cand, 4e-4, 0)]
+    done.update({name((cand, 2e-3, 0)): 0.85, name((cand, 4e-4, 0)): 1.0})
     assert plan(done) == [(cand, 4e-3, 0)]
     done[name((cand, 4e-3, 0))] = 0.88
     assert inner_again(done, cand, 1e-3) == ([], 2e-3, 3)
@@ -157,10 +151,11 @@ def test_at_the_default_outer_settings_the_inner_sweep_is_not_repeated():
     done.update({name((with_outer(CAND, o), 1e-3, 0)): 1.1 for o in (0.4, 1.0)})
     done.update({name((with_outer(CAND, 0.7, m), 1e-3, 0)): 1.1 for m in (0.5, 0.7)})
     assert inner_again(done, CAND, 1e-3) == ([], 1e-3, 0)
-    # four extra rates for data parallel (two per screen); the candidate's seeds meanwhile
-    assert plan(done)[:6] == [*((DDP, r, 0) for r in (1.5e-3, 6e-4, 3e-3, 3e-4)),
+    # four screens beyond the defaults, but only two rates lie between data parallel's best
+    # (1e-3) and its grid neighbours: those two; the candidate's seeds meanwhile
+    assert plan(done)[:4] == [*((DDP, r, 0) for r in (1.5e-3, 6e-4)),
                               (CAND, 1e-3, 1), (CAND, 1e-3, 2)]
-    done.update({name((DDP, r, 0)): 1.2 for r in (1.5e-3, 6e-4, 3e-3, 3e-4)})
+    done.update({name((DDP, r, 0)): 1.2 for r in (1.5e-3, 6e-4)})
     assert plan(done)[:2] == [(DDP, 1e-3, 1), (CAND, 1e-3, 1)]
 
 

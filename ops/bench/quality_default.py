@@ -20,8 +20,9 @@ What runs, the most wanted first (`plan`):
    learning rate again** at them, from the best rate and its two neighbours on `GRID`, by
    the rule of 1 (a lower momentum moves the best inner rate up: BENCHMARKS.md §1.4); and
    **as many more rates for data parallel** (`FINE`, between those of `GRID`, nearest its
-   best first) as these screens ran beyond the defaults (at most all six), so that its
-   tuning budget stays at least ours.
+   best first) as these screens ran beyond the defaults, so that its tuning budget stays at
+   least ours — only those between its best's neighbours on `GRID` (at most two): a rate
+   beyond them cannot move a bracketed best, so the rest of that budget is not spent.
 3. Seeds 1 and 2 of each at its own best (by seed-0 loss), as soon as its sweep is done.
 4. The shipped setting (H = 100 int4 / bf16) and H = 100 with an int4 delta down link, three
    seeds each, at the candidate's inner lr, outer lr and outer momentum.
@@ -149,9 +150,14 @@ def inner_again(done: dict[str, float], variant: str,
 
 
 def fine(done: dict[str, float], best: float, n: int) -> tuple[list[float], float | None]:
-    """Data parallel's `n` extra seed-0 rates from FINE, nearest its grid-best `best` first:
-    (those still to run, its best over every seed-0 rate once they have run)."""
-    extra = sorted(FINE, key=lambda r: (abs(math.log(r / best)), r))[:n]
+    """Data parallel's `n` extra seed-0 rates from FINE, nearest its grid-best `best` first,
+    only those between `best`'s neighbours on GRID (they bracket it: a rate beyond them
+    cannot become the best): (those still to run, its best over every seed-0 rate once they
+    have run)."""
+    i = GRID.index(best)
+    lo, hi = GRID[max(i - 1, 0)], GRID[min(i + 1, len(GRID) - 1)]
+    near = [r for r in FINE if lo < r < hi]  # beyond its grid neighbours a bracketed best
+    extra = sorted(near, key=lambda r: (abs(math.log(r / best)), r))[:n]  # cannot move
     todo = [r for r in extra if name((DDP, r, 0)) not in done]
     if todo:
         return todo, None

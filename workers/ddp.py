@@ -44,6 +44,9 @@ def serve(address: str, processes: int) -> int:
 
 
 def train(a: argparse.Namespace) -> int:
+    from pipeline.heap import keep_freed_memory
+
+    keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

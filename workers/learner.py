@@ -29,6 +29,7 @@ from broker.connection import quick
 from broker.errors import Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
+from pipeline.heap import keep_freed_memory
 from pipeline.mesh import Placement
 from pipeline.train import make_step
 from workers.common import (
@@ -181,6 +182,7 @@ EXIT_SUPERSEDED = 3  # another process joined the run as this learner id: this o
 
 def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
+    keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     apply_environment()
     if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
         # spares keep their own folder: JAX writes entries without a lock, and a spare warms

@@ -13,7 +13,10 @@ Side by side in one run, at each thread count (all cores, and one core):
 * the learner loop: one real learner process (syncing to a real syncer and Redis, learner on
   core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core;
 * the same model's step in PyTorch, eager and compiled (`ops.bench.step_torch`), at the same
-  thread count and against the same matmul rate, when torch is installed.
+  thread count and against the same matmul rate, when torch is installed;
+* the shipped step again with freed memory handed back to the system (`pipeline.heap` turned
+  off, as every process did before it): each step then faults its scratch memory in anew
+  (minor page faults per step are recorded for every step measured).
 
 Every measurement of a thread count runs in its own process (XLA and OpenBLAS fix their
 thread pools when they start), pinned with ``taskset`` where the machine has it.
@@ -77,8 +80,14 @@ def _reference_forward(params, tokens, cfg):
     return x @ params["wte"].T
 
 
-def measure(steps: int) -> dict[str, Any]:
-    """This process's measurements (see the module docstring); run in a fresh process."""
+def measure(steps: int, full: bool = True) -> dict[str, Any]:
+    """This process's measurements (see the module docstring); run in a fresh process.
+    Without `full`, only the shipped step (the matmul rate and its efficiency included)."""
+    import resource
+
+    from pipeline.heap import keep_freed_memory
+
+    heap = keep_freed_memory()  # as every process that trains does, unless turned off
     import jax
     import jax.numpy as jnp
 
@@ -95,7 +104,7 @@ def measure(steps: int) -> dict[str, Any]:
     b = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
     mm_flops = 2.0 * N_MATMUL**3
     out: dict[str, Any] = {"threads": len(os.sched_getaffinity(0)),
-                           "matmul_n": N_MATMUL}
+                           "matmul_n": N_MATMUL, "freed_memory": heap}
     out["matmul_numpy_gflops"] = mm_flops / _best(lambda: a @ b, 20) / 1e9
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     mm = jax.jit(lambda x, y: x @ y)
@@ -110,7 +119,8 @@ def measure(steps: int) -> dict[str, Any]:
     batch = jnp.asarray(rng.integers(0, mc.vocab_size, (cfg.inner.batch_size, mc.seq_len + 1)),
                         jnp.int32)
     shipped = model.forward
-    for name, fwd in (("shipped", shipped), ("previous", _reference_forward)):
+    forwards = (("shipped", shipped), ("previous", _reference_forward))
+    for name, fwd in forwards if full else forwards[:1]:
         model.forward = fwd  # loss_and_accuracy looks it up at trace time
         try:
             opt = task.optimizer()
@@ -120,17 +130,21 @@ def measure(steps: int) -> dict[str, Any]:
             params, state, _ = step(params, state, batch)  # compile
             jax.block_until_ready(params)
             times = []
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for _ in range(steps):
                 t = time.perf_counter()
                 params, state, m = step(params, state, batch)
                 jax.block_until_ready(params)
                 times.append(time.perf_counter() - t)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         finally:
             model.forward = shipped
         med = statistics.median(times)
         out[name] = {"step_s_median": med, "step_s_min": min(times),
                      "gflops": flops / med / 1e9, "efficiency": flops / med / 1e9 / peak,
-                     "loss_after": float(m["loss"])}
+                     "loss_after": float(m["loss"]), "minor_faults_per_step": faults / steps}
+    if not full:
+        return out
     out["pytorch"] = _pytorch(cfg, task, np.asarray(batch), steps, flops, peak,
                               out["threads"])
     return out
@@ -152,11 +166,17 @@ def _pytorch(cfg, task, batch: np.ndarray, steps: int, flops: float, peak: float
     return {"initial_loss_jax": jax_loss, "initial_loss_torch": torch_loss, **res}
 
 
-def _child(threads: int | None, steps: int) -> dict[str, Any]:
-    """`measure` in a fresh process, on core 0 alone when `threads` is 1."""
+def _child(threads: int | None, steps: int, keep: bool = True) -> dict[str, Any]:
+    """`measure` in a fresh process, on core 0 alone when `threads` is 1; without `keep`,
+    with freed memory returned to the system (`pipeline.heap` off) and the shipped step
+    alone."""
     env = dict(os.environ)
-    cmd = [sys.executable, "-c",
-           f"import json; from ops.bench.step import measure; print(json.dumps(measure({steps})))"]
+    if not keep:
+        from pipeline.heap import ENV
+
+        env[ENV] = "0"
+    cmd = [sys.executable, "-c", "import json; from ops.bench.step import measure; "
+           f"print(json.dumps(measure({steps}, full={keep})))"]
     if threads == 1:
         env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         if shutil.which("taskset"):
@@ -178,6 +198,10 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "step", "cores": os.cpu_count()}
     out["all_cores"] = _child(None, steps)
     out["one_core"] = _child(1, steps)
+    # the same step with every freed buffer handed back to the system, as before
+    # `pipeline.heap` (each step faults its scratch memory in again)
+    out["all_cores_freed_returned"] = _child(None, steps, keep=False)
+    out["one_core_freed_returned"] = _child(1, steps, keep=False)
     # the learner loop in a real run: one learner syncing, pinned to core 0 as the one-core
     # bare step is (the default model, every push and checkpoint of a real run)
     base = cfgmod.override(RunConfig(), learners=1, steps=60 if quick else 300,
@@ -189,4 +213,6 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     for key in ("all_cores", "one_core"):
         m = out[key]
         m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]
+        m["speedup_kept_memory"] = (out[key + "_freed_returned"]["shipped"]["step_s_median"]
+                                    / m["shipped"]["step_s_median"])
     return out

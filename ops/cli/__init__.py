@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ops.cli import bench, chaos, goodput, lab, roles, run, security, tools
+from pipeline.heap import keep_freed_memory
 from workers import native
 from workers.common import apply_environment
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    keep_freed_memory()  # before JAX runs anything: every jitted step reuses its scratch memory
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     apply_environment()
     return int(args.func(args) or 0)

@@ -23,6 +23,7 @@ import jax
 import optax
 import user_model
 
+from pipeline.heap import keep_freed_memory
 from workers.island import Island, IslandConfig
 
 TASK = "user_model:make"
@@ -36,6 +37,7 @@ def main() -> int:
     ap.add_argument("--state-dir", default=None, help="checkpoints (resumed on restart)")
     ap.add_argument("--no-sync", action="store_true", help="train alone (a baseline)")
     args = ap.parse_args()
+    keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
 
     cfg = IslandConfig(args.redis_url, args.run, args.id, task=TASK, state_dir=args.state_dir,
                        sync=not args.no_sync)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 N_MATMUL = 1024
-WARMUP = 5  # untimed steps before the timed ones
+WARMUP = 10  # untimed steps before the timed ones (the heap grows to its size in them)
 
 
 def step_flops(d_model: int, n_layers: int, seq_len: int, params: int, tokens: int) -> float:

@@ -18,9 +18,10 @@ about twice the scratch buffer over the first steps, then stops growing), and it
 page faults.
 
 Call it first thing in a process that trains, before JAX runs anything (a thread that has
-allocated already keeps its own arena): the ``diloco`` command, the learner and data-parallel
-worker processes do. ``DILOCO_KEEP_FREED_MEMORY=0`` turns it off. It does nothing where the C
-library is not glibc.
+allocated already keeps its own arena): the ``diloco`` command (every subcommand but
+``syncer``, whose merge threads allocate side by side and train nothing), the learner and
+data-parallel worker processes do. ``DILOCO_KEEP_FREED_MEMORY=0`` turns it off. It does
+nothing where the C library is not glibc.
 """
 from __future__ import annotations
 

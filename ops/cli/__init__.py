@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    keep_freed_memory()  # before JAX runs anything: every jitted step reuses its scratch memory
+    if args.command != "syncer":  # a syncer trains nothing; its merge threads keep their arenas
+        keep_freed_memory()  # before JAX runs anything: a jitted step reuses its scratch memory
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     apply_environment()
     return int(args.func(args) or 0)

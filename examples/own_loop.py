@@ -23,7 +23,7 @@ import jax
 import optax
 import user_model
 
-from pipeline.heap import keep_freed_memory
+from workers.heap import keep_freed_memory
 from workers.island import Island, IslandConfig
 
 TASK = "user_model:make"

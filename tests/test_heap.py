@@ -1,4 +1,4 @@
-"""`pipeline.heap`: a jitted computation's scratch buffer is reused from one call to the next
+"""`workers.heap`: a jitted computation's scratch buffer is reused from one call to the next
 instead of being faulted in again, page by page, on every call.
 
 The count of minor page faults is exact (the kernel's, per process), not a timing: XLA's CPU
@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from pipeline import heap
+from workers import heap
 
 SCRIPT = r"""
 import json, resource, sys
-from pipeline.heap import keep_freed_memory
+from workers.heap import keep_freed_memory
 result = keep_freed_memory()
 import jax, jax.numpy as jnp
 # x @ w is a [4096, 4096] fp32 intermediate (64 MiB) that the second product reads: XLA keeps

@@ -44,7 +44,7 @@ def serve(address: str, processes: int) -> int:
 
 
 def train(a: argparse.Namespace) -> int:
-    from pipeline.heap import keep_freed_memory
+    from workers.heap import keep_freed_memory
 
     keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     import jax

@@ -29,7 +29,6 @@ from broker.connection import quick
 from broker.errors import Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
-from pipeline.heap import keep_freed_memory
 from pipeline.mesh import Placement
 from pipeline.train import make_step
 from workers.common import (
@@ -43,6 +42,7 @@ from workers.common import (
     require_security,
     usage_error,
 )
+from workers.heap import keep_freed_memory
 from workers.island import Island, IslandConfig
 
 log = logging.getLogger("diloco.learner")

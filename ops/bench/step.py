@@ -14,7 +14,7 @@ Side by side in one run, at each thread count (all cores, and one core):
   core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core;
 * the same model's step in PyTorch, eager and compiled (`ops.bench.step_torch`), at the same
   thread count and against the same matmul rate, when torch is installed;
-* the shipped step again with freed memory handed back to the system (`pipeline.heap` turned
+* the shipped step again with freed memory handed back to the system (`workers.heap` turned
   off, as every process did before it): each step then faults its scratch memory in anew
   (minor page faults per step are recorded for every step measured).
 
@@ -86,7 +86,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     Without `full`, only the shipped step (the matmul rate and its efficiency included)."""
     import resource
 
-    from pipeline.heap import keep_freed_memory
+    from workers.heap import keep_freed_memory
 
     heap = keep_freed_memory()  # as every process that trains does, unless turned off
     import jax
@@ -171,11 +171,11 @@ def _pytorch(cfg, task, batch: np.ndarray, steps: int, flops: float, peak: float
 
 def _child(threads: int | None, steps: int, keep: bool = True) -> dict[str, Any]:
     """`measure` in a fresh process, on core 0 alone when `threads` is 1; without `keep`,
-    with freed memory returned to the system (`pipeline.heap` off) and the shipped step
+    with freed memory returned to the system (`workers.heap` off) and the shipped step
     alone."""
     env = dict(os.environ)
     if not keep:
-        from pipeline.heap import ENV
+        from workers.heap import ENV
 
         env[ENV] = "0"
     cmd = [sys.executable, "-c", "import json; from ops.bench.step import measure; "
@@ -202,7 +202,7 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     out["all_cores"] = _child(None, steps)
     out["one_core"] = _child(1, steps)
     # the same step with every freed buffer handed back to the system, as before
-    # `pipeline.heap` (each step faults its scratch memory in again)
+    # `workers.heap` (each step faults its scratch memory in again)
     out["all_cores_freed_returned"] = _child(None, steps, keep=False)
     out["one_core_freed_returned"] = _child(1, steps, keep=False)
     # the learner loop in a real run: one learner syncing, pinned to core 0 as the one-core

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 from ops.cli import bench, chaos, goodput, lab, roles, run, security, tools
-from pipeline.heap import keep_freed_memory
 from workers import native
 from workers.common import apply_environment
+from workers.heap import keep_freed_memory
 
 # In the order they appear in --help.
 _COMMANDS = (run, roles, tools, security, chaos, lab, bench, goodput)

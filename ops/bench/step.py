@@ -169,17 +169,18 @@ def _pytorch(cfg, task, batch: np.ndarray, steps: int, flops: float, peak: float
     return {"initial_loss_jax": jax_loss, "initial_loss_torch": torch_loss, **res}
 
 
-def _child(threads: int | None, steps: int, keep: bool = True) -> dict[str, Any]:
+def _child(threads: int | None, steps: int, keep: bool = True,
+           full: bool | None = None) -> dict[str, Any]:
     """`measure` in a fresh process, on core 0 alone when `threads` is 1; without `keep`,
-    with freed memory returned to the system (`workers.heap` off) and the shipped step
-    alone."""
+    with freed memory returned to the system (`workers.heap` off); the shipped step alone
+    without `full` (default: as `keep`)."""
     env = dict(os.environ)
     if not keep:
         from workers.heap import ENV
 
         env[ENV] = "0"
     cmd = [sys.executable, "-c", "import json; from ops.bench.step import measure; "
-           f"print(json.dumps(measure({steps}, full={keep})))"]
+           f"print(json.dumps(measure({steps}, full={keep if full is None else full})))"]
     if threads == 1:
         env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         if shutil.which("taskset"):
@@ -191,12 +192,43 @@ def _child(threads: int | None, steps: int, keep: bool = True) -> dict[str, Any]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_step(quick: bool = False) -> dict[str, Any]:
-    """The step benchmark's JSON (see the module docstring)."""
+def _learner_loop(steps: int, quick: bool) -> dict[str, Any]:
+    """The learner loop in a real run (one learner syncing to a real syncer and Redis, the
+    default model, every push and checkpoint of a real run) against the bare step, both on
+    core 0, interleaved — bare, loop, bare, loop, …, bare — so that each loop run is compared
+    with the bare step measured just before and just after it (this VM's speed drifts by more
+    than the effect within an hour). Throughput against throughput: the learner's steps over
+    its wall time (the first, compiling step excluded) ÷ 1 / the bare step's mean."""
     from ops.bench.pipeline import _overlap
     from pipeline import config as cfgmod
     from pipeline.config import RunConfig
 
+    base = cfgmod.override(RunConfig(), learners=1, steps=60 if quick else 300,
+                           **{"sync.quorum": 1})
+    cmd = [sys.executable, "-m", "workers.learner"]
+
+    def bare() -> float:
+        return 1.0 / _child(1, steps, full=False)["shipped"]["step_s_mean"]
+
+    bares, loops = [bare()], []
+    for _ in range(1 if quick else 3):
+        loops.append(_overlap(base, cmd, True, modes=("on",))["steps_per_s_on"])
+        bares.append(bare())
+    ratios = [lp / statistics.fmean(bares[i:i + 2]) for i, lp in enumerate(loops)]
+    return {"steps": base.steps, "pinned": bool(shutil.which("taskset")),
+            "order": "bare, loop, bare, ...: each loop against the mean of its neighbours",
+            "bare_steps_per_s": bares, "loop_steps_per_s": loops, "ratios": ratios,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios)}
+
+
+def bench_learner_loop(quick: bool = False) -> dict[str, Any]:
+    """The learner-loop part of `bench_step` alone (`diloco bench step-loop`)."""
+    return {"bench": "step-loop", "cores": os.cpu_count(),
+            **_learner_loop(10 if quick else 40, quick)}
+
+
+def bench_step(quick: bool = False) -> dict[str, Any]:
+    """The step benchmark's JSON (see the module docstring)."""
     steps = 10 if quick else 40
     out: dict[str, Any] = {"bench": "step", "cores": os.cpu_count()}
     out["all_cores"] = _child(None, steps)
@@ -205,19 +237,7 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     # `workers.heap` (each step faults its scratch memory in again)
     out["all_cores_freed_returned"] = _child(None, steps, keep=False)
     out["one_core_freed_returned"] = _child(1, steps, keep=False)
-    # the learner loop in a real run: one learner syncing, pinned to core 0 as the one-core
-    # bare step is (the default model, every push and checkpoint of a real run)
-    base = cfgmod.override(RunConfig(), learners=1, steps=60 if quick else 300,
-                           **{"sync.quorum": 1})
-    loop = _overlap(base, [sys.executable, "-m", "workers.learner"], quick, modes=("on",))
-    # throughput against throughput: the learner's steps over its wall time (the first,
-    # compiling step excluded), the bare step's over its timed steps (1 / their mean)
-    one = out["one_core"]["shipped"]
-    bare = 1.0 / one["step_s_mean"]
-    out["learner_loop"] = {**loop, "bare_steps_per_s": bare,
-                           "ratio": loop["steps_per_s_on"] / bare,
-                           "bare_steps_per_s_median": 1.0 / one["step_s_median"],
-                           "ratio_to_median": loop["steps_per_s_on"] * one["step_s_median"]}
+    out["learner_loop"] = _learner_loop(steps, quick)
     for key in ("all_cores", "one_core"):
         m = out[key]
         m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]

@@ -11,7 +11,9 @@ Side by side in one run, at each thread count (all cores, and one core):
   seq_len × tokens (the attention scores and their use, forward and backward), so efficiency
   = achieved FLOP/s ÷ the best matmul FLOP/s at the same thread count;
 * the learner loop: one real learner process (syncing to a real syncer and Redis, learner on
-  core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core;
+  core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core,
+  measured alternately (bare, loop, bare, …) so that each loop run has the bare step measured
+  just before and after it (`diloco bench step-loop` runs this part alone);
 * the same model's step in PyTorch, eager and compiled (`ops.bench.step_torch`), at the same
   thread count and against the same matmul rate, when torch is installed;
 * the shipped step again with freed memory handed back to the system (`workers.heap` turned

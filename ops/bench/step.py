@@ -172,11 +172,13 @@ def _pytorch(cfg, task, batch: np.ndarray, steps: int, flops: float, peak: float
 
 
 def _child(threads: int | None, steps: int, keep: bool = True,
-           full: bool | None = None) -> dict[str, Any]:
+           full: bool | None = None, xla_flags: str | None = None) -> dict[str, Any]:
     """`measure` in a fresh process, on core 0 alone when `threads` is 1; without `keep`,
     with freed memory returned to the system (`workers.heap` off); the shipped step alone
-    without `full` (default: as `keep`)."""
+    without `full` (default: as `keep`); `xla_flags` replace ``XLA_FLAGS``."""
     env = dict(os.environ)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
     if not keep:
         from workers.heap import ENV
 
@@ -221,6 +223,49 @@ def _learner_loop(steps: int, quick: bool) -> dict[str, Any]:
             "order": "bare, loop, bare, ...: each loop against the mean of its neighbours",
             "bare_steps_per_s": bares, "loop_steps_per_s": loops, "ratios": ratios,
             "ratio": statistics.median(ratios), "ratio_min": min(ratios)}
+
+
+# XLA CPU options tried on the shipped step (`diloco bench step-flags`): each beside a run
+# without it; the values of the experimental ones are those of jaxlib 0.10's flag parser
+XLA_FLAG_CANDIDATES = {
+    "xnn_graph_greedy": "--xla_cpu_experimental_xnn_graph_fusion_mode="
+                        "XNN_GRAPH_FUSION_MODE_GREEDY",
+    "xnn_fusion_dot_eltwise_reduce": "--xla_cpu_experimental_xnn_fusion_type=dot,eltwise,reduce",
+    "ynn_off": "--xla_cpu_experimental_ynn_fusion_type=",
+    "no_xnnpack": "--xla_cpu_use_xnnpack=false",
+    "scheduler_concurrency": "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
+    "no_concurrency_optimized_scheduler":
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+    "vector_width_512": "--xla_cpu_prefer_vector_width=512",
+}
+
+
+def bench_xla_flags(quick: bool = False) -> dict[str, Any]:
+    """The shipped step on all cores with each of `XLA_FLAG_CANDIDATES`, alternating with the
+    step without flags (base, flag, base, flag, …, base) so that each is compared with the
+    base runs just before and after it; the loss after the timed steps is recorded so that a
+    flag that changes the numbers shows."""
+    steps = 10 if quick else 30
+    names = list(XLA_FLAG_CANDIDATES)[:2] if quick else list(XLA_FLAG_CANDIDATES)
+
+    def run(flags: str) -> dict[str, Any]:
+        d = _child(None, steps, full=False, xla_flags=flags)
+        return {"step_s_median": d["shipped"]["step_s_median"],
+                "efficiency": d["shipped"]["efficiency"],
+                "loss_after": d["shipped"]["loss_after"],
+                "matmul_gflops": max(d["matmul_numpy_gflops"], d["matmul_jax_gflops"])}
+
+    base = [run("")]
+    rows = {}
+    for name in names:
+        row = run(XLA_FLAG_CANDIDATES[name])
+        base.append(run(""))
+        around = statistics.fmean(b["step_s_median"] for b in base[-2:])
+        rows[name] = {"flags": XLA_FLAG_CANDIDATES[name], **row,
+                      "speedup_vs_neighbouring_base": around / row["step_s_median"]}
+    times = [b["step_s_median"] for b in base]
+    return {"bench": "step-flags", "cores": os.cpu_count(), "steps": steps, "base": base,
+            "base_step_s_range": [min(times), max(times)], "flags": rows}
 
 
 def bench_learner_loop(quick: bool = False) -> dict[str, Any]:

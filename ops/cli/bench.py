@@ -1,5 +1,5 @@
 """`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|cluster|
-security|step|step-loop|s1|s2|poison|lab`:
+security|step|step-loop|step-flags|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -35,7 +35,9 @@ _PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on 
              ("step", step.bench_step,
               "the inner step vs this machine's matmul rate; the learner loop vs the bare step"),
              ("step-loop", step.bench_learner_loop,
-              "the learner loop vs the bare step alone, interleaved on one core"))
+              "the learner loop vs the bare step alone, interleaved on one core"),
+             ("step-flags", step.bench_xla_flags,
+              "XLA CPU options on the shipped step, each beside the step without them"))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

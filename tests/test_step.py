@@ -77,3 +77,15 @@ def test_the_benchmark_records_why_the_pytorch_reference_did_not_run(monkeypatch
 
     monkeypatch.setitem(sys.modules, "torch", None)  # what an absent torch looks like
     assert "torch is not installed" in step_torch.available()
+
+
+def test_the_curve_cost_measure_sends_whole_messages_both_ways():
+    """`curve_cost` (part of `diloco bench security`) times real PUB/SUB sockets, plain and
+    with CURVE; each timed message must arrive whole."""
+    from ops.bench.pipeline import curve_cost
+
+    out = curve_cost(size=256 * 1024, n=3)
+    assert out["message_bytes"] == 256 * 1024 and out["messages"] == 3
+    assert len(out["runs"]["plain"]) == len(out["runs"]["curve"]) == 2
+    assert all(t > 0 for ts in out["runs"].values() for t in ts)
+    assert out["curve_ms_added"] == out["ms_curve"] - out["ms_plain"]

@@ -499,6 +499,57 @@ def _overlap(base: RunConfig, learner_cmd: list[str], quick: bool, env: dict | N
                     "(the first, compiling step excluded)"}
 
 
+def curve_cost(size: int = 2 * 1024 * 1024, n: int = 60) -> dict:
+    """What ZeroMQ CURVE adds to one published value: the median time of a `size`-byte message
+    from a PUB to a SUB socket over loopback TCP, plain and with CURVE (encrypted by the
+    publisher's I/O thread for each subscriber, decrypted by the subscriber's), twice each,
+    alternating, in this process."""
+    def one(curve: bool) -> float:
+        ctx = zmq.Context()
+        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+        try:
+            if curve:
+                server_pub, server_sec = zmq.curve_keypair()
+                client_pub, client_sec = zmq.curve_keypair()
+                pub.curve_server = True
+                pub.curve_secretkey, pub.curve_publickey = server_sec, server_pub
+                sub.curve_serverkey = server_pub
+                sub.curve_publickey, sub.curve_secretkey = client_pub, client_sec
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.RCVTIMEO, 10_000)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            msg = os.urandom(size)
+            for _ in range(50):  # the subscription reaches the publisher (slow joiner)
+                pub.send(b"hello")
+                if sub.poll(100):
+                    break
+            else:
+                raise RuntimeError("the subscriber never received a message")
+            while sub.poll(200):  # every greeting sent before the first one arrived
+                sub.recv()
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                pub.send(msg)
+                if len(sub.recv()) != size:
+                    raise RuntimeError("a message arrived cut")
+                times.append(time.perf_counter() - t)
+            return statistics.median(times) * 1e3
+        finally:
+            pub.close(0)
+            sub.close(0)
+            ctx.term()
+
+    runs = {"plain": [], "curve": []}
+    for _ in range(2):
+        for mode in runs:
+            runs[mode].append(one(mode == "curve"))
+    plain, curve = statistics.mean(runs["plain"]), statistics.mean(runs["curve"])
+    return {"message_bytes": size, "messages": n, "ms_plain": plain, "ms_curve": curve,
+            "curve_ms_added": curve - plain, "runs": runs}
+
+
 def bench_security(quick: bool = False) -> dict:
     """The cost of security, side by side in one run: round latency p50/p99 and throughput
     through a real syncer process (4 pushers, 4 MB fragments), and one learner's steady
@@ -519,4 +570,7 @@ def bench_security(quick: bool = False) -> dict:
     out["latency_p99_ratio"] = ls["latency_ms_p99"] / lo["latency_ms_p99"]
     ov = out["overlap"]
     out["overlap_ratio"] = ov["steps_per_s_secure"] / ov["steps_per_s_on"]
+    # what CURVE alone adds to one published value of this benchmark's size (fp32 4 MB
+    # fragment, published in bf16)
+    out["curve"] = curve_cost(n=10 if quick else 60)
     return out

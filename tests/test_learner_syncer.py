@@ -23,7 +23,7 @@ SHAPES = {"wte": (2,), FC: (3,)}
 FRAGS = partition(SHAPES, 2, is_embedding)  # [["wte"], ["h0.mlp.fc"]]
 # P = 2, H = 4 -> Δh = 2: step 2 pushes fragment 1, step 4 fragment 0, step 6 fragment 1, ...
 # The tests below read "overwrite" (a merged value replaces the fragment) unless they say
-# "rebase" (the shipped default, which keeps the steps since the push).
+# "rebase" (which keeps the steps since the push).
 CFG = dataclasses.replace(SyncConfig(), fragments=2, sync_every=4, overlap_steps=1,
                           codec_up="fp32", apply="overwrite")
 BASE = {"wte": np.array([1.0, 2.0], F32), FC: np.array([1.0, 2.0, 3.0], F32)}

@@ -340,10 +340,19 @@ def process_age_s() -> float | None:
 def enable_compile_cache(path: Path) -> None:
     """Keep this process's JAX compilations in `path`, so that a restarted process loads them
     instead of compiling again (a learner's init and first step: 3.4 s → 0.9 s on the 2-core
-    benchmark machine). One process per folder: JAX writes entries without a lock."""
+    benchmark machine). One process per folder: JAX writes entries without a lock.
+
+    Where the environment names a cache (``JAX_COMPILATION_CACHE_DIR``: one folder shared by
+    the learners of a host, or the test suite's) that one is kept instead, with a size limit
+    (``JAX_COMPILATION_CACHE_MAX_SIZE``, 64 GiB unless set): with a limit JAX takes a file
+    lock around every read and write of the folder, so processes can share it."""
     import jax
 
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        if jax.config.jax_compilation_cache_max_size < 0:  # -1: no limit, and no lock
+            jax.config.update("jax_compilation_cache_max_size", 64 << 30)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -377,7 +377,8 @@ class Engine:
         lr = self.learners[m]
         if not lr.alive:
             return
-        lr.core.on_global(p, version, values)
+        # what a distributed learner reads from the merge records when a value arrives
+        lr.core.on_global(p, version, values, self._merged.get((lr.name, p)))
         if lr.blocked and not lr.core.blocked(lr.step):
             lr.params = lr.core.apply_due(lr.step, lr.params)
             lr.blocked = False

@@ -29,6 +29,13 @@ from pipeline.fragments import due_fragment
 from pipeline.model import Params
 
 DEFER = "defer"  # merged_lookup's answer when it cannot tell now: push at the next turn
+# `on_global`'s `merged` when the driver cannot tell which of this learner's pushes a value
+# holds (its broker is unreachable, a value restored from a checkpoint): the "rebase" rule
+# then takes the value as holding the push in flight
+UNKNOWN = "unknown"
+# `on_global`'s `merged`: (base_version, step) of this learner's last push of the fragment
+# that a round merged, and the version that round made; None when none was merged
+MergedPush = tuple[int, int, int]
 
 
 def _seconds(v) -> float:
@@ -95,6 +102,9 @@ class LearnerCore:
         self.seconds = [0.0] * P
         self.inflight: list[_InFlight | None] = [None] * P
         self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
+        # per fragment, what the driver knew of the pending value: the last push of this
+        # learner merged up to it (`on_global`'s `merged`)
+        self.pending_merged: list[MergedPush | str | None] = [UNKNOWN] * P
         self.applied = 0
         # (fragment, the push in flight) → (version, value) if a round merged that push (the
         # value of that version or a later one), None if none did, DEFER if it cannot tell
@@ -169,6 +179,7 @@ class LearnerCore:
         self.inflight[p] = None
         self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
                                      for n in self.fragments[p]})
+        self.pending_merged[p] = (*f.key, version)
         self.rebased_merged += 1
         return self._apply(p, params)
 
@@ -201,13 +212,23 @@ class LearnerCore:
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload,
                     self.seconds[p])
 
-    def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray]) -> bool:
-        """Take a merged value of fragment p; False if it is not newer than what we have."""
+    def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray],
+                  merged: MergedPush | str | None = UNKNOWN) -> bool:
+        """Take a merged value of fragment p; False if it is not newer than what we have.
+
+        `merged` (read by the driver when the value arrived, used by the "rebase" rule): the
+        last push of this learner to p that a round merged, as (base_version, step, version),
+        None if none was, `UNKNOWN` if the driver cannot tell. A value older than that
+        round's is dropped: the round's own value is on its way, and only it holds the push.
+        """
         newest = self.pending[p][0] if self.pending[p] else self.base_version[p]
         if version <= newest:
             return False
+        if self.cfg.apply == "rebase" and isinstance(merged, tuple) and merged[2] > version:
+            return False
         self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
                                      for n in self.fragments[p]})
+        self.pending_merged[p] = merged
         return True
 
     def apply_at(self, p: int) -> int | None:
@@ -258,6 +279,10 @@ class LearnerCore:
             self.pending[p] = None
             self.applied += 1
             return params
+        if self.cfg.apply == "rebase" and f.theta_at_push is not None:
+            held = self._holds(p, f)
+            if held != "push":
+                return self._apply_without(p, f, params, held == "older")
         for n in self.fragments[p]:
             if self.cfg.apply == "rebase" and f is not None and f.theta_at_push is not None:
                 new = value[n] + (np.asarray(params[n]) - f.theta_at_push[n])
@@ -274,6 +299,41 @@ class LearnerCore:
         else:
             self._count_none(p)
         self.inflight[p] = None
+        self.pending[p] = None
+        self.applied += 1
+        return params
+
+    def _holds(self, p: int, f: _InFlight) -> str:
+        """What fragment p's pending value holds of this learner's pushes: "push" (the one in
+        flight, or the driver cannot tell), "older" (an earlier push that the one in flight
+        superseded, not the one in flight) or "none" (nothing since the base)."""
+        m = self.pending_merged[p]
+        if m == UNKNOWN or (isinstance(m, tuple) and (m[0], m[1]) == f.key):
+            return "push"
+        if isinstance(m, tuple) and m[2] > self.base_version[p]:
+            return "older"
+        return "none"
+
+    def _apply_without(self, p: int, f: _InFlight, params: Params, older: bool) -> Params:
+        """The "rebase" rule for a value that does not hold the push in flight (a round that
+        closed before it arrived): move onto the value keeping the progress the value lacks
+        and leave the push in flight (its own round's value comes later). With `older`, the
+        value holds an earlier push that this one superseded: keep the progress since the
+        push in flight, θ ← Θ_new + (θ − θ_at_push) (what lies between the two comes back
+        with the push's round); otherwise it holds none of this learner's progress since the
+        base: θ ← Θ_new + (θ − base). θ_at_push moves with θ, so that the push's own value
+        later keeps exactly the progress made since the push. Counters stay: the push in
+        flight still carries what it carried."""
+        version, value = self.pending[p]
+        anchor = f.theta_at_push if older else self.base[p]
+        params = dict(params)
+        moved = {}
+        for n in self.fragments[p]:
+            params[n] = jnp.asarray(value[n] + (np.asarray(params[n]) - anchor[n]), jnp.float32)
+            moved[n] = value[n] if older else value[n] + (f.theta_at_push[n] - anchor[n])
+        f.theta_at_push = moved
+        self.base[p] = value
+        self.base_version[p] = version
         self.pending[p] = None
         self.applied += 1
         return params
@@ -381,6 +441,7 @@ class LearnerCore:
         self.seconds = seconds
         self.applied, self.inflight, self.residual, self.pending = (applied, inflight, residual,
                                                                     pending)
+        self.pending_merged = [UNKNOWN] * P  # not saved: a restored value counts as unknown
 
     def adopt_base(self, p: int, params: Params) -> Params:
         """End of run: fragment p's last push was never merged (refused) and no later version

@@ -142,13 +142,13 @@ def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(re
         assert net.snapshot_requests.get_nowait() == p
         net._deliver(*published[1])  # its base arrives: 1 and then the held 2 apply
         got = [net.inbox.get_nowait() for _ in range(2)]
-        assert [v for _, v, _ in got] == [1, 2] and net.stats.rejected == 0
+        assert [v for _, v, *_ in got] == [1, 2] and net.stats.rejected == 0
         assert quant.tensors_hash(got[1][2]) == published[2][0].value
         net._deliver(*published[4])  # 3 was missed: held until the snapshot of 3 arrives
         assert net.inbox.empty()
         net._deliver(*snapshot_v3)
         got = [net.inbox.get_nowait() for _ in range(2)]
-        assert [v for _, v, _ in got] == [3, 4]
+        assert [v for _, v, *_ in got] == [3, 4]
         assert quant.tensors_hash(got[1][2]) == published[4][0].value
         # the trainer's copy is its own: changing it does not change the reference
         for v in got[1][2].values():

@@ -162,6 +162,65 @@ def test_rebase_keeps_progress_since_push():
     assert core.base_version == [0, 1]
 
 
+REBASE = dataclasses.replace(CFG, apply="rebase")
+
+
+def test_rebase_onto_a_round_that_did_not_hold_the_push_keeps_it_in_flight():
+    """A value from a round that closed before the push arrived (the merge record names no
+    push of this learner since the base): θ ← Θ_new + (θ − base), keeping every step, the
+    push stays in flight with θ_at_push moved along, and its own round's value later keeps
+    exactly the steps since the push."""
+    core, params = make(REBASE)
+    params, _ = run(core, params, range(1, 3))  # push of fragment 1 at step 2: θ = B − 2G
+    assert core.on_global(1, 1, V, None)  # no push of this learner merged yet
+    params, _ = run(core, params, [3])  # θ = B − 3G, then moved: V − 3G
+    np.testing.assert_array_equal(np_(params, FC), V[FC] - 3 * G[FC])
+    f = core.inflight[1]
+    assert f is not None and f.key == (0, 2) and core.base_version == [0, 1]
+    np.testing.assert_array_equal(f.theta_at_push[FC], V[FC] - 2 * G[FC])
+    assert core.steps[1] == 3  # the push still carries its 2 steps; nothing dropped
+    # the push's own round (v2, merged (0, 2)): keep the one step since the push
+    V2 = {FC: np.array([100.0, 200.0, 300.0], F32)}
+    assert core.on_global(1, 2, V2, (0, 2, 2))
+    params = core.apply_due(3, params)
+    np.testing.assert_array_equal(np_(params, FC), V2[FC] - G[FC])
+    assert core.inflight[1] is None and core.steps[1] == 1 and core.base_version == [0, 2]
+
+
+def test_rebase_onto_a_round_that_held_an_older_superseded_push():
+    """The value holds a push that the one in flight superseded (its record names the older
+    push, merged after the base): keep only the progress since the push in flight and wait
+    on for that push's own value."""
+    core, params = make(REBASE)
+    params, pushes = run(core, params, range(1, 11))  # fragment 1: pushes at 2 and 10
+    assert [p.step for p in pushes[2] + pushes[10] if p.fragment == 1] == [2, 10]
+    assert core.inflight[1].key == (0, 10)
+    assert core.on_global(1, 1, V, (0, 2, 1))  # v1 merged the push of step 2 only
+    params, _ = run(core, params, [11])  # θ = B − 11G → V + (θ − θ_at_push) = V − G
+    np.testing.assert_array_equal(np_(params, FC), V[FC] - G[FC])
+    assert core.inflight[1].key == (0, 10) and core.base_version[1] == 1
+    np.testing.assert_array_equal(core.inflight[1].theta_at_push[FC], V[FC])
+    V2 = {FC: np.array([100.0, 200.0, 300.0], F32)}
+    assert core.on_global(1, 2, V2, (0, 10, 2))
+    params = core.apply_due(11, params)
+    np.testing.assert_array_equal(np_(params, FC), V2[FC] - G[FC])
+    assert core.inflight[1] is None and core.steps[1] == 1
+
+
+def test_rebase_drops_a_value_older_than_the_round_that_merged_the_push():
+    """The merge record names a round newer than the value: that round's value is on its
+    way (the syncer records before it publishes), and only it holds the push."""
+    core, params = make(REBASE)
+    params, _ = run(core, params, range(1, 3))
+    assert not core.on_global(1, 1, V, (0, 2, 2))
+    assert core.pending[1] is None
+    assert core.on_global(1, 2, V, (0, 2, 2))
+    # "overwrite" does not ask: it takes any newer value
+    core, params = make()
+    params, _ = run(core, params, range(1, 3))
+    assert core.on_global(1, 1, V, (0, 2, 2))
+
+
 def test_overwrite_keeps_no_theta_at_push():
     core, params = make()
     run(core, params, range(1, 3))

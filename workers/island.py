@@ -492,8 +492,8 @@ class Island:
             item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
                 self.net.inbox.get_nowait()
             while True:
-                p, version, values = item
-                self.core.on_global(p, version, values)
+                p, version, values, merged = item
+                self.core.on_global(p, version, values, merged)
                 n += 1
                 item = self.net.inbox.get_nowait()
         except queue.Empty:
@@ -738,8 +738,12 @@ class Island:
         final: list[Push] = []
         flat = self._params
         if self.cfg.sync:
-            while any(f is not None and self.core.pending[p] is None
-                      for p, f in enumerate(self.core.inflight)):
+            # every push's own merged value first ("rebase" applies a value that does not
+            # hold the push in flight and goes on waiting for the one that does)
+            while True:
+                flat = self.core.apply_due(10**12, flat)
+                if all(f is None for f in self.core.inflight):
+                    break
                 if time.monotonic() > deadline:
                     raise BrokerError(f"{self.id}: no merged value arrived for the final flush")
                 if not self._drain_inbox(timeout_s=1.0):
@@ -748,7 +752,6 @@ class Island:
                             self._forget_if_refused(p, f)
                         if self.core.inflight[p] is not None:
                             self.net.request_snapshot(p)
-            flat = self.core.apply_due(10**12, flat)
             final = self.core.push_all(self.step, flat)
             for push in final:
                 self._send(push, final=True)

@@ -33,6 +33,7 @@ from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
+from pipeline.learner import UNKNOWN
 from pipeline.quant import tensors_hash
 from pipeline.syncer import apply_delta
 from workers.common import RunContext, decode_values
@@ -100,6 +101,8 @@ class LearnerNet(threading.Thread):
         # fragment → the value last delivered (the delta down link's reference)
         self._ref: dict[int, dict[str, np.ndarray]] = {}
         self._delta = ctx.cfg.effective_sync().down_delta
+        # the "rebase" apply rule needs to know which of this learner's pushes a value holds
+        self._rebase = ctx.cfg.effective_sync().apply == "rebase"
         self._held: dict[int, dict[int, tuple]] = {}  # fragment → version → (header, tensors)
         self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
         self._acked_log = open(acked_log, "a", buffering=1) if acked_log else None
@@ -299,6 +302,21 @@ class LearnerNet(threading.Thread):
                 continue
             self._deliver(header, tensors)
 
+    def _merged_push(self, p: int) -> tuple[int, int, int] | str | None:
+        """This learner's last push of fragment p that a round merged (base version, step,
+        the round's version), read when a value arrives: the syncer records it before it
+        publishes the value, so a value newer than the record's round holds no later push
+        of this learner. `UNKNOWN` when Redis cannot say now (and for "overwrite", which
+        does not ask)."""
+        if not self._rebase or self.redis_down:
+            return UNKNOWN
+        try:
+            rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
+        except (*OUTAGE, redis.RedisError) as e:
+            log.warning("%s: could not read the merge record of fragment %d (%s)", self.id, p, e)
+            return UNKNOWN
+        return None if rec is None else (rec.base_version, rec.step, rec.version)
+
     def _receive(self, timeout_ms: int) -> None:
         errors = self.sub.decode_errors
         msg = self.sub.recv(timeout_ms)
@@ -339,7 +357,7 @@ class LearnerNet(threading.Thread):
             if self._delta:  # the trainer gets a copy: the reference stays what was decoded
                 self._ref[p] = values
                 values = {k: v.copy() for k, v in values.items()}
-        self.inbox.put((p, version, values))
+        self.inbox.put((p, version, values, self._merged_push(p)))
         held = self._held.get(p)
         if held:
             for v in [v for v in held if v <= version]:

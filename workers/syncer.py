@@ -666,10 +666,11 @@ class Syncer:
         if p not in self.frags:  # the resync found another syncer serving it
             return
         self.cfg.faults.at("after", self.stats.commits)
-        self._publish(p, f.core)
+        # recorded before the value goes out: a learner receiving it reads what it holds
         merged = {(n, p): Merged(f.entries[e].base_version, f.entries[e].step, result.version)
                   for e, n, *_ in result.included if e in f.entries}
         registry.note_merged(self.ctx.r, self.ctx.keys, merged)
+        self._publish(p, f.core)
         f.core.record_sync_time(time.monotonic() - t0)
         st = self.stats
         st.rounds += 1

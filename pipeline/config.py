@@ -102,10 +102,10 @@ class SyncConfig:
     sync_every: int = field(default=100, metadata=_rng(1, 10**7))  # H, inner steps per fragment
     overlap_steps: int = field(default=2, metadata=_rng(0, 10**6))  # tau
     mix_alpha: float = field(default=0.0, metadata=_rng(0.0, 1.0))  # alpha
-    # What a merged value does to the steps taken since its push: "overwrite" drops them
-    # (Streaming DiLoCo's rule), "rebase" keeps them (more goodput under failures,
-    # BENCHMARKS.md §3, but short multi-process runs trained less with it: not the default).
-    apply: str = field(default="overwrite", metadata=_rng(choices=APPLIES))
+    # What a merged value does to the steps taken since its push: "rebase" keeps them (the
+    # default since 2026-12-04: BENCHMARKS.md §3 measures more goodput at the same quality,
+    # §1.3), "overwrite" drops them (Streaming DiLoCo's rule).
+    apply: str = field(default="rebase", metadata=_rng(choices=APPLIES))
     quorum: int = field(default=1, metadata=_rng(1, 100_000))  # K
     grace_gamma: float = field(default=0.5, metadata=_rng(0.0, 100.0))
     grace_max_s: float = field(default=30.0, metadata=_rng(0.0, 86_400.0))

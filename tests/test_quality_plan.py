@@ -115,6 +115,9 @@ def test_the_outer_screen_runs_beside_as_many_extra_rates_for_data_parallel():
     assert want[4:] == [(f"{v} olr=1", 2e-3, s) for v in (SHIPPED, H100) for s in (0, 1, 2)]
     cmd = command(want[4], Path("out"))
     assert cmd[cmd.index("--only") + 1] == SHIPPED and cmd[cmd.index("--outer-lrs") + 1] == "1"
+    # the shipped row measures the shipped apply rule; the others the quality tables' one
+    assert cmd[cmd.index("--set") + 1] == 'sync.apply="rebase"'
+    assert "--set" not in command(want[7], Path("out"))
 
 
 def test_the_shipped_and_h100_rows_run_at_the_candidates_rates_after_its_seeds():

@@ -452,9 +452,11 @@ def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpo
             params = step(b, params)
             assert b.step < steps
         f = b.core.inflight[p]
-        # overwrite: the merged value replaced the fragment τ steps after the restore, so the
-        # push holds the steps after that, each −lr (the checkpoint's progress would add more)
-        assert 0 < f.steps_at_push <= f.step - ckpt - cfg.sync.overlap_steps, (f, ckpt)
+        # the merged value came τ steps after the restore: "rebase" (the default) kept those
+        # steps, "overwrite" would have dropped them; either way the push holds only steps
+        # after the restore, each −lr (the checkpoint's progress would add more)
+        dropped = cfg.sync.overlap_steps if cfg.sync.apply == "overwrite" else 0
+        assert 0 < f.steps_at_push <= f.step - ckpt - dropped, (f, ckpt)
         for v in f.pushed_values().values():
             np.testing.assert_allclose(v, f.steps_at_push * lr, rtol=1e-3)
         while not b.done:

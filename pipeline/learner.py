@@ -12,6 +12,12 @@ driver answers from the syncer's merge records), the learner first rebases onto 
 that merge produced, so the new push carries only the progress not merged yet — in δ, in its
 steps and in its tokens — never the merged part twice. A driver that cannot tell now (its
 broker is unreachable) answers `DEFER`: the push waits for the fragment's next turn.
+
+Under ``apply = "rebase"`` a value is applied according to what it holds of this learner's
+pushes (`on_global`'s `merged`, which the driver reads from the merge records as the value
+arrives): the push in flight (keep the progress since the push), an older push that it
+superseded, or none (a round that closed before the push arrived: keep all the progress the
+value lacks, and leave the push in flight for its own round's value).
 """
 
 from __future__ import annotations

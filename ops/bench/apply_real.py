@@ -8,6 +8,7 @@ records the final against the initial eval loss of each: the runs where `rebase`
 far less (a learner rebased onto the first value to arrive as if it held its latest push).
 
     python -m ops.bench.apply_real --out runs/bench-apply-real [--seeds 0,1,2] [--steps 60]
+        [--tasks bytegpt,llama] [--outer-momentum 0]
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ KEEP = ("initial_eval_loss", "final_eval_loss", "final_eval_accuracy", "rounds",
         "wall_s", "tokens")
 
 
-def one(url: str, task: str, apply: str, seed: int, steps: int, work: Path) -> dict:
+def one(url: str, task: str, apply: str, seed: int, steps: int, work: Path,
+        momentum: float | None = None) -> dict:
     raw = {**TINY, "task": task, "steps": steps, "seed": seed,
            "sync": {**TINY["sync"], "apply": apply}}
+    if momentum is not None:
+        raw["outer"] = {"momentum": momentum}
     cfg = cfgmod.from_dict(raw)
     path = work / f"{task}-{apply}-{seed}.toml"
     path.write_text(cfgmod.dumps_toml(cfg))
@@ -57,17 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--tasks", default="bytegpt,llama")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="outer Nesterov momentum (default: the shipped one)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in a.seeds.split(",")]
-    results: dict = {"config": TINY, "steps": a.steps, "runs": {}}
+    results: dict = {"config": TINY, "steps": a.steps, "outer_momentum": a.outer_momentum,
+                     "runs": {}}
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis:
         for task in a.tasks.split(","):
             for seed in seeds:
                 for apply in APPLIES:
                     key = f"task={task} apply={apply} seed={seed}"
                     results["runs"][key] = rec = one(redis.url, task, apply, seed, a.steps,
-                                                     Path(tmp))
+                                                     Path(tmp), a.outer_momentum)
                     print(key, json.dumps(rec), flush=True)
     summary = {}
     for task in a.tasks.split(","):

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.cluster.redis_server import RedisServer
+from ops.cluster import RedisServer
 from pipeline import config as cfgmod
 
 # the configuration of the real-process tests (tests/test_e2e.py TINY), two learners

@@ -268,46 +268,51 @@ class LearnerCore:
         version, value = self.pending[p]
         f = self.inflight[p]
         a = self.cfg.mix_alpha
-        params = dict(params)
         if f is None:
             # A round this learner had no part in: move onto the new global value but keep the
             # local progress since the old base, θ ← Θ_new + (θ − base). δ = base − θ is
             # unchanged and now anchored at the new version, so the next push is fresh (not
-            # stale) and no inner step is thrown away. Written this way round, a learner with
-            # no progress since its base (θ = base) lands on Θ_new exactly, as one that
-            # overwrites does: θ + (Θ_new − base) can differ from Θ_new in the last bit, and
-            # learners would end a run with values that differ by rounding.
-            for n in self.fragments[p]:
-                params[n] = jnp.asarray(value[n] + (np.asarray(params[n]) - self.base[p][n]),
-                                        jnp.float32)
-            self.base[p] = value
-            self.base_version[p] = version
-            self.pending[p] = None
-            self.applied += 1
+            # stale) and no inner step is thrown away.
+            params = self._moved(p, params, value, self.base[p])
+            self._take(p, version, value)
             return params
-        if self.cfg.apply == "rebase" and f.theta_at_push is not None:
+        rebase = self.cfg.apply == "rebase" and f.theta_at_push is not None
+        if rebase:
             held = self._holds(p, f)
             if held != "push":
                 return self._apply_without(p, f, params, held == "older")
-        for n in self.fragments[p]:
-            if self.cfg.apply == "rebase" and f is not None and f.theta_at_push is not None:
-                new = value[n] + (np.asarray(params[n]) - f.theta_at_push[n])
-            elif a > 0:
-                new = a * np.asarray(params[n]) + (1 - a) * value[n]
-            else:
-                new = value[n]
-            params[n] = jnp.asarray(new, jnp.float32)
-        self.base[p] = value
-        self.base_version[p] = version
-        if self.cfg.apply == "rebase" and f is not None:
+            params = self._moved(p, params, value, f.theta_at_push)
+        else:
+            params = dict(params)
+            for n in self.fragments[p]:
+                new = a * np.asarray(params[n]) + (1 - a) * value[n] if a > 0 else value[n]
+                params[n] = jnp.asarray(new, jnp.float32)
+        if self.cfg.apply == "rebase":
             # the progress made since the push is kept on top of the new base: count it
             self._count_since(p, f)
         else:
             self._count_none(p)
         self.inflight[p] = None
+        self._take(p, version, value)
+        return params
+
+    def _moved(self, p: int, params: Params, value: Mapping[str, np.ndarray],
+               anchor: Mapping[str, np.ndarray]) -> Params:
+        """Fragment p moved onto `value` keeping the progress since `anchor`: θ ← Θ + (θ − a).
+        Written this way round, a learner with no progress since the anchor (θ = a) lands on
+        Θ exactly, as one that overwrites does: θ + (Θ − a) can differ from Θ in the last bit,
+        and learners would end a run with values that differ by rounding."""
+        params = dict(params)
+        for n in self.fragments[p]:
+            params[n] = jnp.asarray(value[n] + (np.asarray(params[n]) - anchor[n]), jnp.float32)
+        return params
+
+    def _take(self, p: int, version: int, value: dict[str, np.ndarray]) -> None:
+        """Fragment p's pending value is applied: it is the base now."""
+        self.base[p] = value
+        self.base_version[p] = version
         self.pending[p] = None
         self.applied += 1
-        return params
 
     def _holds(self, p: int, f: _InFlight) -> str:
         """What fragment p's pending value holds of this learner's pushes: "push" (the one in
@@ -332,16 +337,10 @@ class LearnerCore:
         flight still carries what it carried."""
         version, value = self.pending[p]
         anchor = f.theta_at_push if older else self.base[p]
-        params = dict(params)
-        moved = {}
-        for n in self.fragments[p]:
-            params[n] = jnp.asarray(value[n] + (np.asarray(params[n]) - anchor[n]), jnp.float32)
-            moved[n] = value[n] if older else value[n] + (f.theta_at_push[n] - anchor[n])
-        f.theta_at_push = moved
-        self.base[p] = value
-        self.base_version[p] = version
-        self.pending[p] = None
-        self.applied += 1
+        params = self._moved(p, params, value, anchor)
+        f.theta_at_push = value if older else {
+            n: value[n] + (f.theta_at_push[n] - anchor[n]) for n in self.fragments[p]}
+        self._take(p, version, value)
         return params
 
     def _count_since(self, p: int, f: _InFlight) -> None:

@@ -92,7 +92,7 @@ class EntryMeta:
         (:class:`pipeline.contribution.Contribution`)."""
         return Contribution(self.learner, self.fragment, self.base_version, self.step,
                             self.steps, self.tokens, dict(tensors), entry_id=entry_id,
-                            nbytes=nbytes)
+                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class Drop(StrEnum):
     TOKENS = "tokens"              # claims more tokens than its steps can have produced
     NORM = "norm"                  # its norm per step is far above the recent median
     ROUND = "round"                # merged into a round whose value would not be finite
+    SUPERSEDED = "superseded"      # a later push of its learner, holding its progress, merged
     OTHER = "other"                # a reason text this version does not know
 
 
@@ -70,7 +71,7 @@ _DROP_TEXT = (  # how each kind's text begins: reads reasons recorded as text (r
     (Drop.AHEAD, "base version ", " is ahead of"), (Drop.EMPTY, "empty contribution"),
     (Drop.SHAPE, "tensors do not match"), (Drop.NON_FINITE, "non-finite"),
     (Drop.MALFORMED, "malformed"), (Drop.TOKENS, "tokens "), (Drop.NORM, "norm "),
-    (Drop.ROUND, "round "))
+    (Drop.ROUND, "round "), (Drop.SUPERSEDED, "superseded"))
 
 
 class Reason(str):
@@ -109,6 +110,8 @@ class Contribution:
     delta: dict[str, quant.QTensor | np.ndarray]  # as received (decoded inside the merge)
     entry_id: str = ""
     nbytes: int = 0
+    seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
+    epoch: int = 0  # its learner process's epoch (0: none claimed)
 
     @property
     def key(self) -> tuple[str, int, int]:

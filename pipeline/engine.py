@@ -60,6 +60,7 @@ class _Learner:
     bytes_sent: int = 0
     bytes_received: int = 0
     busy_s: float = 0.0
+    epoch: int = 1  # as a distributed learner's process: a restart is a new one
 
 
 @dataclass(order=True)
@@ -204,7 +205,6 @@ class Engine:
         self.deferred: list[list[Contribution]] = [[] for _ in self.frags]
         self.rounds = 0
         self.useful_s = 0.0
-        self._work_s: dict[str, float] = {}  # entry id → learner-seconds of work it carries
         self._pushed: dict[str, tuple[str, int, int]] = {}  # entry id → (learner, base, step)
         # (learner, fragment) → (base version, step, version) of its last merged push: what the
         # syncer's merge records tell a distributed learner (`LearnerCore.merged_lookup`)
@@ -288,8 +288,8 @@ class Engine:
             self.poisoned += 1
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
                          push.tokens, dict(push.payload),
-                         entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
-        self._work_s[c.entry_id] = push.steps * eng.step_s / lr.speed
+                         entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes,
+                         seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch)
         self._pushed[c.entry_id] = (lr.name, push.base_version, push.step)
         self._push_event(arrive, "arrive", c)
 
@@ -335,8 +335,8 @@ class Engine:
         s.record_sync_time(self.cfg.engine.sync_s)
         self.rounds += 1
         frac = self.frag_sizes[p] / self.n_params
-        for entry_id, *_ in result.included:
-            self.useful_s += frac * self._work_s.pop(entry_id, 0.0)
+        for (entry_id, *_), seconds in zip(result.included, result.seconds, strict=True):
+            self.useful_s += frac * seconds
             if entry_id in self._pushed:
                 name, base, step = self._pushed.pop(entry_id)
                 self._merged[(name, p)] = (base, step, result.version)
@@ -402,6 +402,7 @@ class Engine:
         lr.opt_state = self.opt.init(lr.params)
         lr.core = self._core(lr.name, start, [s.version for s in self.syncers])
         lr.alive, lr.blocked = True, False
+        lr.epoch += 1
         lr.clock_s = self.now
         self.on_event("restart", {"learner": lr.name, "time_s": self.now})
 

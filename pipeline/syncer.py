@@ -4,6 +4,13 @@ No I/O: the distributed syncer (``workers/syncer.py``) and the in-process engine
 contributions (quantised, as they came off the wire) and the clock, persist what `close`
 returns and publish it. State that must survive a crash is exported by `state_dict` and
 restored by `from_state_dict`.
+
+A push superseding an earlier one of its learner (sent because the earlier one's merged value
+was late) carries all the progress since their common base. If a round merged the earlier
+one first, the later one repeats its steps, tokens and seconds: the syncer remembers each
+learner's last merged push (`MergedPush`) and counts, weights and records only what a push
+on the same base, of the same learner process, adds to it; an earlier push that arrives after
+such a later one was merged is refused as superseded (its progress is merged already).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -59,6 +67,20 @@ class RoundResult:
     # entries merge = "robust" left out of the merge (they opposed the others' consensus)
     outvoted: list[str] = field(default_factory=list)
     sent_base: int = -1  # `sent` is a delta against this version (-1: the whole value)
+    # learner-seconds of new progress each included contribution carried (its own, less the
+    # merged push of its learner it repeats), in `included`'s order
+    seconds: list[float] = field(default_factory=list)
+
+
+class MergedPush(NamedTuple):
+    """A learner's last merged push to a fragment, with its counts since its base."""
+
+    epoch: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    seconds: float
 
 
 class RoundRefused(ValueError):
@@ -74,6 +96,7 @@ class _Round:
     quorum_reached_s: float | None = None
     dropped: list[tuple[str, Reason]] = field(default_factory=list)
     included: list[tuple[str, str, float, int]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # new learner-seconds, as `included`
     tokens: int = 0
     steps: int = 0
     anchors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
@@ -148,6 +171,8 @@ class FragmentSyncer:
         # version → the dequantised value learners received for it (anchors stale contributions)
         self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
         self.seen: set[tuple[str, int, int]] = set()
+        # learner → its last push merged here: a later push on the same base repeats it
+        self.last_merged: dict[str, MergedPush] = {}
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
@@ -201,6 +226,7 @@ class FragmentSyncer:
             return False, Reason(Drop.DEFER, "defer: learner already contributed to the open "
                                  "round")
         staleness = self.version - c.base_version
+        repeats = self._repeats(c)
         reason = None
         if c.base_version not in self.history and 0 <= staleness <= self.sync_cfg.max_staleness:
             reason = Reason(Drop.UNANCHORED, f"base version {c.base_version} no longer held")
@@ -210,9 +236,16 @@ class FragmentSyncer:
         elif staleness < 0:
             reason = Reason(Drop.AHEAD, f"base version {c.base_version} is ahead of global "
                             f"version {self.version}")
+        elif repeats is not None and c.step <= repeats.step:
+            reason = Reason(Drop.SUPERSEDED, f"superseded: its learner's push at step "
+                            f"{repeats.step} on the same base, merged, holds its progress")
         elif c.steps <= 0 or c.tokens <= 0:
             reason = Reason(Drop.EMPTY, f"empty contribution (steps {c.steps}, tokens "
                             f"{c.tokens})")
+        elif repeats is not None and (c.steps <= repeats.steps or c.tokens <= repeats.tokens):
+            reason = Reason(Drop.EMPTY, f"empty contribution beyond its learner's merged push "
+                            f"(steps {c.steps} of {repeats.steps}, tokens {c.tokens} of "
+                            f"{repeats.tokens})")
         elif set(c.delta) != set(self.shapes) or any(
                 c.delta[k].shape != s for k, s in self.shapes.items()):
             reason = Reason(Drop.SHAPE, "tensors do not match the fragment's names and shapes")
@@ -226,7 +259,12 @@ class FragmentSyncer:
             if reason.kind is Drop.TOKENS:
                 self.suspects.add(c.learner)
             return self._drop(c, reason)
-        weight = token_weight(c.tokens, c.steps)
+        # what it adds to the merged push it repeats (δ itself is a position: it holds both)
+        steps, tokens, seconds = c.steps, c.tokens, c.seconds
+        if repeats is not None:
+            steps, tokens = steps - repeats.steps, tokens - repeats.tokens
+            seconds = max(0.0, seconds - repeats.seconds)
+        weight = token_weight(tokens, steps)
         anchor = self._round.anchors.get(c.base_version)
         if anchor is None:  # Θ(v) − Θ̃(b), shared by every contribution anchored at b
             anchor = self._round.anchors[c.base_version] = {
@@ -251,13 +289,23 @@ class FragmentSyncer:
             r.clipped.append(c.entry_id)
         r.contributors[c.learner] = c
         r.included.append((c.entry_id, c.learner, weight, staleness))
-        r.tokens += c.tokens
-        r.steps += c.steps
+        r.seconds.append(seconds)
+        r.tokens += tokens
+        r.steps += steps
         if r.first_arrival_s is None:
             r.first_arrival_s = now_s
         if r.quorum_reached_s is None and len(r.contributors) >= self.policy.quorum:
             r.quorum_reached_s = now_s
         return True, "accepted"
+
+    def _repeats(self, c: Contribution) -> MergedPush | None:
+        """The merged push of c's learner whose progress c holds (or, if c is older, which
+        holds c's): one of the same process (epoch) on the same base. None for a learner
+        without epochs (0): its pushes cannot be told from a restarted process's."""
+        m = self.last_merged.get(c.learner)
+        if m is None or c.epoch == 0 or (m.epoch, m.base_version) != (c.epoch, c.base_version):
+            return None
+        return m
 
     def waits_for_next_round(self, learner: str, key: tuple[str, int, int]) -> bool:
         """True when a contribution (not a duplicate) comes from a learner already in the open
@@ -347,6 +395,12 @@ class FragmentSyncer:
             self.history.popitem(last=False)
         oldest = self.version - self.sync_cfg.max_staleness - 1
         self.seen = {k for k in self.seen if k[1] >= oldest}
+        for c in r.contributors.values():
+            self.last_merged[c.learner] = MergedPush(c.epoch, c.base_version, c.step, c.steps,
+                                                     c.tokens, c.seconds)
+        # a push on an older base would be stale: it repeats nothing
+        self.last_merged = {n: m for n, m in self.last_merged.items()
+                            if m.base_version >= oldest}
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
             sent_hash=self.sent_hash, included=r.included, dropped=r.dropped,
@@ -356,7 +410,7 @@ class FragmentSyncer:
             closed_s=now_s, tokens=r.tokens,
             steps=r.steps, scale=share, clipped=list(r.clipped),
             outvoted=[r.included[i][0] for i in getattr(r.merge, "excluded", ())],
-            sent_base=self.sent_base)
+            sent_base=self.sent_base, seconds=r.seconds)
         self._round = self._new_round()
         return result
 
@@ -386,6 +440,7 @@ class FragmentSyncer:
             "seen": sorted([list(k) for k in self.seen - self._round.keys]),
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
+            "merged_last": [[n, *m] for n, m in sorted(self.last_merged.items())],
         }
 
     @classmethod
@@ -405,6 +460,8 @@ class FragmentSyncer:
             s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
+        s.last_merged = {str(n): MergedPush(int(e), int(b), int(st), int(k), int(t), float(x))
+                         for n, e, b, st, k, t, x in d.get("merged_last", ())}
         if s.guard is not None:
             s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

@@ -49,6 +49,9 @@ def test_three_learners_and_a_syncer_as_processes(tmp_path, redis_url):
     assert len({json.dumps(h, sort_keys=True) for h in hashes.values()}) == 1
     assert len(hashes["L0"]) == 2
     assert s["rounds"] >= 4 and s["bytes_sent"] > 0 and s["bytes_received"] > 0
+    # under "rebase" every step's progress is merged, and only once, though these learners
+    # step faster than their syncer merges and so supersede pushes
+    assert s["merged_steps"] == [3 * 60, 3 * 60], s["merged_steps"]
     for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoint.npz", "summary.json"):
         assert (tmp_path / "runs" / "e2e" / name).exists(), name
 

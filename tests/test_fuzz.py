@@ -173,7 +173,8 @@ def _state() -> dict:
             + [np.array(3, np.int32)],
             "history": {"6": {k: np.array(v + 1, np.float32) for k, v in theta.items()},
                         "7": dict(theta)},
-            "seen": [["L0", 6, 10], ["L1", 7, 3]], "sync_time_s": 0.25, "norms": [1.0, 2.5]}
+            "seen": [["L0", 6, 10], ["L1", 7, 3]], "sync_time_s": 0.25, "norms": [1.0, 2.5],
+            "merged_last": [["L0", 2, 6, 10, 10, 1280, 1.5]]}
 
 
 STATE = pack_state(_state())
@@ -331,10 +332,11 @@ def ref_tensors(x: Any, want: dict | None) -> dict | None:
 
 
 def ref_state(doc: Any, shapes: dict | None = None) -> bool:
-    """A syncer state: fragment, version, theta, momentum, seen, sync_time_s; history and
-    norms optional."""
+    """A syncer state: fragment, version, theta, momentum, seen, sync_time_s; history, norms
+    and merged_last optional."""
     required = {"fragment", "version", "theta", "momentum", "seen", "sync_time_s"}
-    if not (type(doc) is dict and required <= doc.keys() <= required | {"history", "norms"}):
+    if not (type(doc) is dict
+            and required <= doc.keys() <= required | {"history", "norms", "merged_last"}):
         return False
     if not (_int(doc["fragment"], 0, 9999) and _int(doc["version"])):
         return False
@@ -360,6 +362,11 @@ def ref_state(doc: Any, shapes: dict | None = None) -> bool:
         return False
     if "norms" in doc and not (type(doc["norms"]) is list and len(doc["norms"]) <= 4096 and all(
             _num(x) and x >= 0 for x in doc["norms"])):
+        return False
+    if "merged_last" in doc and not (type(doc["merged_last"]) is list and all(
+            type(m) is list and len(m) == 7 and _str(m[0], 1024, 1)
+            and all(_int(x) for x in m[1:6]) and _num(m[6]) and m[6] >= 0
+            for m in doc["merged_last"])):
         return False
     if "history" in doc:
         h = doc["history"]

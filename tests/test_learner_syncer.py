@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from broker.state import pack_state, unpack_state
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
+from pipeline.contribution import Drop, Reason
 from pipeline.fragments import partition
 from pipeline.learner import DEFER, LearnerCore
 from pipeline.model import is_embedding
@@ -817,3 +819,77 @@ def test_seconds_stay_with_progress_that_stays_and_go_with_progress_that_goes():
     assert pushes[6][0].seconds == pytest.approx(3.0) and pushes[6][0].steps == 6
     core.adopt_base(1, params)
     assert core.seconds[1] == 0.0 and core.steps[1] == 0
+
+
+# -- the syncer's side of superseding pushes: a push repeating a merged one counts only what it
+# adds; an earlier push that comes after a later merged one is refused
+
+def _fc_syncer() -> FragmentSyncer:
+    return FragmentSyncer(1, {FC: BASE[FC]}, OuterConfig(), dataclasses.replace(CFG, quorum=1),
+                          is_embedding=is_embedding)
+
+
+def _fc_push(learner, step, steps, *, base=0, epoch=1, seconds=None, scale=1.0):
+    return Contribution(learner, 1, base, step, steps, steps * TOKENS,
+                        {FC: (-G[FC] * steps * scale).astype(F32)},
+                        entry_id=f"{learner}-{epoch}-{step}",
+                        seconds=0.5 * steps if seconds is None else seconds, epoch=epoch)
+
+
+def _merge(s: FragmentSyncer, *cs: Contribution):
+    for c in cs:
+        ok, why = s.offer(c, 0.0)
+        assert ok, why
+    return s.close(0.0, "test")
+
+
+def test_a_push_repeating_a_merged_push_counts_and_weighs_only_what_it_adds():
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4))  # merged into v1
+    # "a" superseded its step-4 push: the step-8 push on the same base holds its 4 steps too
+    r = _merge(s, _fc_push("a", 8, 8), _fc_push("b", 8, 8, epoch=3))
+    (_, _, w_a, _), (_, _, w_b, _) = r.included
+    assert (r.steps, r.tokens) == (4 + 8, (4 + 8) * TOKENS)
+    assert r.seconds == [pytest.approx(2.0), pytest.approx(4.0)]
+    assert w_a == pytest.approx(w_b / 2)  # 4 new steps' tokens against b's 8
+    # a push on a newer base (the learner took a value since) repeats nothing
+    r = _merge(s, _fc_push("a", 12, 4, base=2))
+    assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
+
+
+def test_an_earlier_push_after_a_later_merged_one_is_refused_as_superseded():
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 8, 8))
+    ok, why = s.offer(_fc_push("a", 4, 4), 0.0)
+    assert not ok and why.kind is Drop.SUPERSEDED and "step 8" in why
+    assert Reason.of(str(why)).kind is Drop.SUPERSEDED  # as round records read it back
+
+
+def test_another_process_or_a_learner_without_epochs_repeats_nothing():
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4, epoch=1), _fc_push("b", 4, 4, epoch=0))
+    # "a" restarted (epoch 2) from a checkpoint on the same base: its steps are its own
+    r = _merge(s, _fc_push("a", 6, 6, epoch=2), _fc_push("b", 6, 6, epoch=0))
+    assert r.steps == 12 and r.seconds == [pytest.approx(3.0)] * 2
+
+
+def test_a_push_adding_nothing_to_its_merged_push_is_refused_as_empty():
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4))
+    ok, why = s.offer(_fc_push("a", 6, 4), 0.0)  # claims no steps beyond the merged 4
+    assert not ok and why.kind is Drop.EMPTY and "merged push" in why
+
+
+def test_the_last_merged_pushes_survive_the_syncer_state():
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4))
+    doc = unpack_state(pack_state(s.state_dict()))
+    back = FragmentSyncer.from_state_dict(doc, OuterConfig(), s.sync_cfg, is_embedding)
+    assert back.last_merged == s.last_merged
+    r = _merge(back, _fc_push("a", 8, 8))
+    assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
+    # a state written before the syncer kept them reads as none kept
+    old = s.state_dict()
+    del old["merged_last"]
+    assert FragmentSyncer.from_state_dict(old, OuterConfig(), s.sync_cfg,
+                                          is_embedding).last_merged == {}

@@ -728,12 +728,11 @@ class Syncer:
         f.sent_floor = max(f.sent_floor, floor)
 
     def _record(self, r: RoundResult, t0: float) -> RoundRecord:
-        entries = self.frags[r.fragment].entries
         return RoundRecord(
             version=r.version, fragment=r.fragment, reason=r.reason,
             included=tuple(Included(*x) for x in r.included), dropped=tuple(r.dropped),
             hash=r.sent_hash, tokens=r.tokens, steps=r.steps, scale=r.scale,
-            seconds=tuple(entries[i].seconds or 0.0 for i, *_ in r.included),
+            seconds=tuple(r.seconds),
             quorum_wait_s=r.quorum_s - r.first_arrival_s,
             grace_wait_s=max(0.0, r.closed_s - r.quorum_s),
             merge_s=time.monotonic() - t0, syncer=self.cfg.syncer_id, t=time.time())

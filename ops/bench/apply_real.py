@@ -31,7 +31,7 @@ TINY = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
         "sync": {"fragments": 2, "sync_every": 10}, "learners": 2}
 APPLIES = ("overwrite", "rebase")
 KEEP = ("initial_eval_loss", "final_eval_loss", "final_eval_accuracy", "rounds", "goodput",
-        "wall_s", "tokens")
+        "merged_steps", "wall_s", "tokens")
 
 
 def one(url: str, task: str, apply: str, seed: int, steps: int, work: Path,

@@ -106,10 +106,12 @@ class Launcher:
         ratios = bandwidth_ratios(M, nparams, tps, sent, received, tokens / M)
         sizes = fragment_sizes(self.sup.task.param_shapes(), self.sup.frags)
         rounds, useful = 0, 0.0
+        merged_steps = [0] * len(self.sup.frags)  # learner steps each fragment's rounds merged
         for p in range(len(self.sup.frags)):
             for rnd in records.read_rounds(r, keys.fragment(p)):
                 rounds += 1
                 useful += sizes[p] / nparams * sum(rnd.seconds)
+                merged_steps[p] += rnd.steps or 0
         first = self.history[0] if self.history else rec
         return {
             "mode": cfg.mode, "learners": M, "steps": cfg.steps, "params": nparams,
@@ -119,7 +121,8 @@ class Launcher:
             "bytes_sent": sent, "bytes_received": received,
             **ratios,
             "goodput": useful / (M * wall_s) if wall_s else 0.0,
-            "rounds": rounds, "wall_s": wall_s, "versions": final["versions"],
+            "rounds": rounds, "merged_steps": merged_steps, "wall_s": wall_s,
+            "versions": final["versions"],
             "learner_hashes": {k: v.hashes for k, v in reports.items()},
             "rejected_globals": sum(v.rejected for v in reports.values()),
             "history": self.history, "first_eval_tokens": first["tokens"],

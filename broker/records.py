@@ -212,7 +212,9 @@ class RoundRecord:
 
     ``hash`` is the SHA-256 of the published (down-link) value (:func:`pipeline.quant.
     tensors_hash`); ``scale`` the share of an outer step taken; ``seconds`` the learner wall
-    time each included contribution carries, in the order of ``included``.
+    time each included contribution carries, in the order of ``included``, less what its
+    learner's earlier merged push that it repeats carried (`pipeline.syncer`); ``steps`` and
+    ``tokens`` are counted the same way.
     """
 
     version: int

@@ -479,7 +479,8 @@ def mutated(draw, doc: Any, rounds: int = 2) -> tuple[Any, set]:
         elif op == "float":
             new = float(node)
         elif op == "int":
-            new = int(node) if math.isfinite(node) else 0
+            # msgpack holds ints in [-2**63, 2**64): a float beyond them (1e300) has no int
+            new = int(node) if math.isfinite(node) and -(2**63) <= node < 2**64 else 0
         elif op == "big":
             new = draw(st.sampled_from([2**32, 2**53 + 1, 2**63 - 1, 2**64 - 1]))
         elif op == "neg":

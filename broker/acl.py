@@ -79,9 +79,9 @@ def key_rules(run: str, role: str) -> list[str]:
         return [*read, legacy, f"%R~{keys.learners}", f"%R~{keys.heartbeat('*')}",
                 f"~{keys.syncers}", f"~{keys.members}", f"~{keys.member('*')}",
                 f"~{keys.events}", f"~{keys.done}",
-                f"~{keys.refused}", f"~{keys.merged}", f"~{frag}:*"]
-    return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}", f"%R~{keys.merged}",
-            f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
+                f"~{keys.refused}", f"~{frag}:*"]
+    return [*read, legacy, f"%R~{keys.syncers}", f"%R~{keys.refused}",
+            f"%R~{frag}:merged", f"%R~{frag}:global", f"%R~{frag}:sent:*", f"%R~{frag}:frags",
             f"~{keys.learners}", f"~{keys.heartbeat('*')}", f"~{keys.done}",
             f"%W~{keys.events}"]
 

@@ -39,9 +39,6 @@ key                                   type      contents
 ``ddl:{<run>}:refused``               hash      ``<learner>:<fragment>`` → JSON of the last
                                                 push of that learner and fragment the syncer
                                                 refused (``broker.records.Refusal``)
-``ddl:{<run>}:merged``                hash      ``<learner>:<fragment>`` → JSON of the last
-                                                push of that learner and fragment a round
-                                                merged (``broker.records.Merged``)
 ``ddl:{<run>}:stop``                  string    set to stop every process at once
 ``ddl:{<run>}:finish``                string    set to end training early: learners stop
                                                 stepping and take part in the final flush
@@ -67,6 +64,10 @@ Per-fragment keys:
                                                 checkpoint)
 ``ddl:{<run>/fNNNN}:rounds``          stream    one record per closed round
                                                 (``broker.records.RoundRecord``)
+``ddl:{<run>/fNNNN}:merged``          hash      ``<learner>`` → JSON of that learner's last
+                                                push to the fragment a round merged
+                                                (``broker.records.Merged``), written in the
+                                                round's commit
 ``ddl:{<run>/fNNNN}:dlq``             stream    entries that failed validation, with reason
 ``ddl:{<run>/fNNNN}:lease``           string    id of the syncer that owns the fragment (PX)
 ====================================  ========  ==============================================
@@ -109,7 +110,6 @@ class RunKeys:
         self.events = f"{base}:events"
         self.done = f"{base}:done"
         self.refused = f"{base}:refused"
-        self.merged = f"{base}:merged"
         self.stop = f"{base}:stop"
         self.finish = f"{base}:finish"
         self._hb = f"{base}:hb:"
@@ -158,6 +158,7 @@ class FragmentKeys:
         self.global_ = f"{tag}:global"
         self.rounds = f"{tag}:rounds"
         self.dlq = f"{tag}:dlq"
+        self.merged = f"{tag}:merged"
         self.lease = f"{tag}:lease"
         self._sent = f"{tag}:sent:"
 

@@ -12,7 +12,6 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -334,17 +333,11 @@ def refusal(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Refus
         return None
 
 
-def note_merged(r: redis.Redis, keys: RunKeys, merged: Mapping[tuple[str, int], Merged]
-                ) -> None:
-    """A round merged these pushes: (learner, fragment) → the last merged push of each."""
-    if merged:
-        r.hset(keys.merged, mapping={f"{n}:{p}": rec.to_json()
-                                     for (n, p), rec in merged.items()})
-
-
 def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Merged | None:
-    """The last merged push of `learner` to `fragment` (None: none, or a malformed record)."""
-    raw = r.hget(keys.merged, f"{learner}:{fragment}")
+    """The last merged push of `learner` to `fragment` (None: none, or a malformed record).
+    The syncer writes these records in each round's commit (`broker.streams.Streams.
+    commit_round`), so a learner that reads a round's value or snapshot finds its record."""
+    raw = r.hget(keys.fragment(fragment).merged, learner)
     if raw is None:
         return None
     try:

@@ -288,14 +288,18 @@ class FragmentStreams:
                      drop_sent_versions: Iterable[int] = (),
                      extra_sent: Mapping[int, bytes] | None = None,
                      earlier_records: list[Mapping] | None = None,
-                     after: int | None = None) -> str:
+                     after: int | None = None,
+                     merged: Mapping[str, str] | None = None) -> str:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
 
         A round writes its record, its acknowledgements and its published value (`snapshot`,
         as ``sent:<version>`` and ``global``: one copy sent, the second made by the server);
         a checkpoint round also the fragment's full `state` (None: not a checkpoint).
         `drop_sent_versions` are snapshots no longer needed (older than the staleness window
-        of both the version and the checkpoint).
+        of both the version and the checkpoint). `merged` (learner → JSON of
+        `broker.records.Merged`) updates the fragment's merge records in the same transaction:
+        whoever reads the round's value, from the snapshot or from the published message, finds
+        the records of the pushes it merged.
 
         Round records get the stream id ``<version>-0`` (``XRANGE …:rounds 12 12`` is round
         12), which makes a commit idempotent: re-committing a round whose record already exists
@@ -330,6 +334,8 @@ class FragmentStreams:
             for rec in records:
                 pipe.xadd(fk.rounds, {k: (json.dumps(v) if isinstance(v, list | dict) else v)
                                       for k, v in rec.items()}, id=f"{int(rec['version'])}-0")
+            if merged:
+                pipe.hset(fk.merged, mapping=dict(merged))
             if ack_ids:
                 pipe.xack(fk.frags, GROUP, *ack_ids)
             result = pipe.execute(raise_on_error=False)

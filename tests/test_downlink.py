@@ -524,3 +524,47 @@ def test_a_blocking_learner_stops_waiting_for_a_push_the_syncer_refused(tmp_path
         syncer.wait()
         island.close()
         log.close()
+
+
+def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_url):
+    """The syncer commits a round's merge records in the same transaction as its snapshot, so
+    a learner reading a snapshot (a missed message, a rejoin) trusts the record it reads next
+    exactly as for a published message: the record of an earlier round means this round
+    merged no later push of the learner, no record means none was merged. (Before, a snapshot
+    could precede its records, and such a read counted as "cannot tell".)"""
+    import zmq
+
+    from broker.records import Merged
+    from broker.streams import FragmentStreams
+    from workers.learner_net import LearnerNet
+
+    r = connect(redis_url)
+    store_run(r, "snap", tiny_config(sync={"apply": "rebase"}))
+    ctx = open_run(redis_url, "snap", wait_s=0)
+    p = 0
+    shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
+    plain = SyncConfig(quorum=1, grace_max_s=0.0, guard=False)
+    s = FragmentSyncer(p, _theta(shapes), OuterConfig(), plain, is_embedding=is_embedding)
+    fs = FragmentStreams(r, ctx.keys)
+    assert fs.acquire_lease(p, "S", 10_000)
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx)
+    try:
+        net.joined_at(p, 0, dict(s.sent_values))
+        for i, merged in enumerate(({}, {"L0": Merged(0, 7, 2)}, {"L1": Merged(1, 9, 3)})):
+            _round(s, i)
+            fs.commit_round(p, "S", state=None,
+                            snapshot=codec.pack_snapshot("snap", p, s.version,
+                                                         s.snapshot_tensors),
+                            version=s.version, record={"version": s.version}, ack_ids=[],
+                            merged={n: m.to_json() for n, m in merged.items()})
+            net.snapshot_requests.put(p)
+            net._serve_snapshots()
+            got = net.inbox.get_nowait()
+            assert got[1] == s.version == i + 1
+            # v1: no record of L0 → none merged; v2: merged L0's push at step 7; v3 (another
+            # learner's record): v3 holds no later push of L0 than the one v2 merged
+            assert got[3] == (None, (0, 7, 2), (0, 7, 2))[i], (i, got[3])
+    finally:
+        net.sub.close()
+        zctx.term()

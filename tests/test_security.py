@@ -281,6 +281,8 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
             "learner XADD rounds": lambda: learner.xadd(f0.rounds, {"a": 1}),
             "learner HSET config": lambda: learner.hset(keys.config, "toml", "x"),
             "learner SET global": lambda: learner.set(f0.global_, b"x"),
+            "learner HSET merged": lambda: learner.hset(f0.merged, "L0", "{}"),
+            "learner DEL merged": lambda: learner.delete(f0.merged),
             "learner HSET syncers": lambda: learner.hset(keys.syncers, "s", "{}"),
             "learner GET state": lambda: learner.get(f0.state),
             "learner XADD other run": lambda: learner.xadd(other.fragment(0).frags, {"a": 1}),
@@ -313,6 +315,8 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         # and what each role needs still works
         assert learner.xadd(f0.frags, {"probe": 1})
         assert learner.get(f0.global_) and reader.get(f0.state) and syncer.get(f0.state)
+        # a learner reads its merge records (committed with each round by the syncer user)
+        assert any(registry.merged(learner, keys, n, 0) for n in ("L0", "L1", "L2"))
         # the run's learners claimed their epochs through the selectors, signed
         assert int(learner.get(keys.epoch("L0"))) >= 1 and learner.incr(keys.epoch("L9")) == 1
         assert learner.hmget(keys.epoch_sig("L0"), ["1"])[0] is not None

@@ -22,7 +22,7 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
-from broker.records import Heartbeat, SyncerInfo
+from broker.records import Heartbeat, Merged, SyncerInfo
 from broker.streams import FragmentStreams, LeaseLost
 from pipeline import config as cfgmod
 
@@ -124,12 +124,12 @@ def test_ensure_group_reads_entries_pushed_before_the_group(r, cfg):
 # ------------------------------------------------------------------------------ commit
 
 
-def _commit(fs, owner, ids, version=1, drop=(), checkpoint=True):
+def _commit(fs, owner, ids, version=1, drop=(), checkpoint=True, merged=None):
     return fs.commit_round(P, owner, state=b"STATE%d" % version if checkpoint else None,
                            snapshot=b"SNAP%d" % version, version=version,
                            record={"version": version, "included": [[i, "L"] for i in ids],
                                    "reason": "test", "t": 1.5},
-                           ack_ids=ids, drop_sent_versions=drop)
+                           ack_ids=ids, drop_sent_versions=drop, merged=merged)
 
 
 def test_commit_round_is_fenced_by_the_lease(r, keys, fs, cfg):
@@ -140,15 +140,17 @@ def test_commit_round_is_fenced_by_the_lease(r, keys, fs, cfg):
     r.set(fk.global_, b"OLDSNAP")
     before = {k: r.get(k) for k in (fk.state, fk.global_, fk.sent(1))}
 
+    merged = {"L0": Merged(0, 5, 1).to_json()}
     # nobody holds the lease
     with pytest.raises(LeaseLost):
-        _commit(fs, "syncer-0", ids)
+        _commit(fs, "syncer-0", ids, merged=merged)
     # another syncer holds it
     assert fs.acquire_lease(P, "syncer-1", 10_000)
     with pytest.raises(LeaseLost):
-        _commit(fs, "syncer-0", ids)
+        _commit(fs, "syncer-0", ids, merged=merged)
     assert {k: r.get(k) for k in before} == before
     assert r.xlen(fk.rounds) == 0
+    assert not r.exists(fk.merged)  # the merge records go with the round, or not at all
     assert xpending_count(r, fk) == 2
     assert r.get(fk.lease) == b"syncer-1"
 
@@ -162,8 +164,15 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
     r.set(fk.sent(0), b"SNAP0")
     assert fs.acquire_lease(P, "syncer-0", 10_000)
 
-    rid = _commit(fs, "syncer-0", ids, version=1, drop=[0])
+    r.hset(fk.merged, "L2", Merged(0, 3, 0).to_json())  # an earlier round's record stays
+    rid = _commit(fs, "syncer-0", ids, version=1, drop=[0],
+                  merged={"L0": Merged(0, 5, 1).to_json(), "L1": Merged(0, 4, 1).to_json()})
     assert r.get(fk.state) == b"STATE1"
+    # the merge records, in the round's transaction, read back through the registry
+    assert registry.merged(r, keys, "L0", P) == Merged(0, 5, 1)
+    assert registry.merged(r, keys, "L1", P) == Merged(0, 4, 1)
+    assert registry.merged(r, keys, "L2", P) == Merged(0, 3, 0)
+    assert registry.merged(r, keys, "L0", P + 1) is None  # per fragment
     assert r.get(fk.global_) == b"SNAP1"
     assert r.get(fk.sent(1)) == b"SNAP1"
     assert r.get(fk.sent(0)) is None  # drop_sent_versions

@@ -300,14 +300,13 @@ class LearnerNet(threading.Thread):
             except DecodeError as e:
                 self._reject(p, f"malformed snapshot: {e}")
                 continue
-            self._deliver(header, tensors, snapshot=True)
+            self._deliver(header, tensors)
 
     def _merged_push(self, p: int) -> tuple[int, int, int] | str | None:
         """This learner's last push of fragment p that a round merged (base version, step,
-        the round's version), read when a value arrives: the syncer records it before it
-        publishes the value, so a published value newer than the record's round holds no
-        later push of this learner. `UNKNOWN` when Redis cannot say now (and for "overwrite", which
-        does not ask)."""
+        the round's version), read when a value arrives: the syncer commits it with the round's
+        value, so a value newer than the record's round holds no later push of this learner.
+        `UNKNOWN` when Redis cannot say now (and for "overwrite", which does not ask)."""
         if not self._rebase or self.redis_down:
             return UNKNOWN
         try:
@@ -332,9 +331,9 @@ class LearnerNet(threading.Thread):
             self.stats.zmq_gaps += 1
         self._deliver(header, tensors)
 
-    def _deliver(self, header, tensors: dict, snapshot: bool = False) -> None:
-        """Hand a merged value to the training loop, once it has passed every check
-        (`snapshot`: read from Redis, where a round's value can precede its merge record)."""
+    def _deliver(self, header, tensors: dict) -> None:
+        """Hand a merged value (a message or a snapshot) to the training loop, once it has
+        passed every check."""
         p, version = header.fragment, header.version
         if version <= self._last_version.get(p, -1):
             return
@@ -358,12 +357,9 @@ class LearnerNet(threading.Thread):
             if self._delta:  # the trainer gets a copy: the reference stays what was decoded
                 self._ref[p] = values
                 values = {k: v.copy() for k, v in values.items()}
-        merged = self._merged_push(p)
-        if snapshot and (merged is None or (isinstance(merged, tuple) and merged[2] < version)):
-            # the syncer commits a round's value, then records what it merged, then publishes
-            # it: a snapshot read in between would seem to hold no push of this learner
-            merged = UNKNOWN
-        self.inbox.put((p, version, values, merged))
+        # read after the value: the syncer commits a round's merge records with its value, so
+        # the record is at least as new as the value, whether message or snapshot
+        self.inbox.put((p, version, values, self._merged_push(p)))
         held = self._held.get(p)
         if held:
             for v in [v for v in held if v <= version]:

@@ -130,8 +130,9 @@ class _Frag:
     finished: bool = False
     # (version, oldest entry id) of recent rounds
     recent_min_ids: list[tuple[int, str]] = field(default_factory=list)
-    # recent round records with their acknowledged ids, and recent snapshots: enough to
-    # re-commit what Redis lost if it restarts from an AOF missing its last second
+    # recent round records with their acknowledged ids and merge records, and recent
+    # snapshots: enough to re-commit what Redis lost if it restarts from an AOF missing its
+    # last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
     snapshots: dict[int, bytes] = field(default_factory=dict)
     ckpt_version: int = 0      # the version of the fragment's last checkpoint (full state)
@@ -630,7 +631,12 @@ class Syncer:
         record = self._record(result, t0)
         snapshot = self._snapshot(f.core)
         acks = list(f.entries) + f.ack_extra
-        f.recent.append((record, acks))
+        # each included learner's merge record, committed with the round: a learner that
+        # receives the value or reads its snapshot finds what it merged
+        merged = {n: Merged(f.entries[e].base_version, f.entries[e].step,
+                            result.version).to_json()
+                  for e, n, *_ in result.included if e in f.entries}
+        f.recent.append((record, acks, merged))
         f.snapshots[result.version] = snapshot
         f.snapshots.pop(result.version - self.sync.max_staleness - 1, None)
         checkpoint = (reason == "final flush" or self._checkpoint_due(f))
@@ -640,7 +646,7 @@ class Syncer:
                 p, self.cfg.syncer_id, state=self._state_blob(f.core) if checkpoint else None,
                 snapshot=snapshot, version=result.version, record=record.to_fields(),
                 ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor),
-                after=result.version - 1)
+                after=result.version - 1, merged=merged)
             if checkpoint:
                 f.ckpt_version, f.ckpt_t = result.version, time.monotonic()
             f.sent_floor = max(f.sent_floor, floor)
@@ -666,10 +672,6 @@ class Syncer:
         if p not in self.frags:  # the resync found another syncer serving it
             return
         self.cfg.faults.at("after", self.stats.commits)
-        # recorded before the value goes out: a learner receiving it reads what it holds
-        merged = {(n, p): Merged(f.entries[e].base_version, f.entries[e].step, result.version)
-                  for e, n, *_ in result.included if e in f.entries}
-        registry.note_merged(self.ctx.r, self.ctx.keys, merged)
         self._publish(p, f.core)
         f.core.record_sync_time(time.monotonic() - t0)
         st = self.stats
@@ -894,7 +896,7 @@ class Syncer:
             stored = self._committed_version(p)
             if stored >= f.core.version:
                 continue
-            lost = [(rec, acks) for rec, acks in f.recent if rec.version > stored]
+            lost = [(rec, acks, m) for rec, acks, m in f.recent if rec.version > stored]
             log.error("fragment %d: Redis is at version %d, this syncer at %d; re-committing "
                       "%d round(s)", p, stored, f.core.version, len(lost))
             if not lost or lost[-1][0].version != f.core.version:
@@ -903,9 +905,10 @@ class Syncer:
                 p, self.cfg.syncer_id, state=self._state_blob(f.core),
                 snapshot=f.snapshots[f.core.version], version=f.core.version,
                 record=lost[-1][0].to_fields(),
-                earlier_records=[rec.to_fields() for rec, _ in lost[:-1]],
-                ack_ids=[i for _, acks in lost for i in acks],
-                extra_sent={v: b for v, b in f.snapshots.items() if v > stored})
+                earlier_records=[rec.to_fields() for rec, *_ in lost[:-1]],
+                ack_ids=[i for _, acks, _ in lost for i in acks],
+                extra_sent={v: b for v, b in f.snapshots.items() if v > stored},
+                merged={n: m for *_, ms in lost for n, m in ms.items()})  # the latest wins
             f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
             registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,
                            redis_version=stored, version=f.core.version)

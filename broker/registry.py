@@ -335,7 +335,7 @@ def refusal(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Refus
 
 def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Merged | None:
     """The last merged push of `learner` to `fragment` (None: none, or a malformed record).
-    The syncer writes these records in each round's commit (`broker.streams.Streams.
+    The syncer writes these records in each round's commit (`broker.streams.FragmentStreams.
     commit_round`), so a learner that reads a round's value or snapshot finds its record."""
     raw = r.hget(keys.fragment(fragment).merged, learner)
     if raw is None:

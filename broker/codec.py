@@ -64,7 +64,9 @@ class EntryMeta:
     flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
     is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
     0: none, an entry of a version before epochs): a syncer dead-letters a learner's entries
-    of an older epoch than the newest it has seen of that learner.
+    of an older epoch than the newest it has seen of that learner. ``chain`` is the step of
+    the first push of the contribution's chain (`pipeline.contribution.Push.chain`; None: an
+    entry of a version before chains).
     """
 
     learner: str
@@ -78,13 +80,14 @@ class EntryMeta:
     seconds: float | None = field(default=None, compare=False)
     final: bool = field(default=False, compare=False)
     epoch: int = field(default=0, compare=False)
+    chain: int | None = field(default=None, compare=False)
 
     @classmethod
     def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
                 final: bool = False, epoch: int = 0) -> EntryMeta:
         """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
         return cls(learner, push.fragment, push.base_version, push.step, push.steps,
-                   push.tokens, codec, seconds, final, epoch)
+                   push.tokens, codec, seconds, final, epoch, push.chain)
 
     def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
                      nbytes: int = 0) -> Contribution:
@@ -92,7 +95,8 @@ class EntryMeta:
         (:class:`pipeline.contribution.Contribution`)."""
         return Contribution(self.learner, self.fragment, self.base_version, self.step,
                             self.steps, self.tokens, dict(tensors), entry_id=entry_id,
-                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch)
+                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch,
+                            chain=self.chain)
 
 
 @dataclass(frozen=True)
@@ -683,7 +687,8 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
     Returns:
         The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
         sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
-        ``meta.seconds`` is reported, and ``epoch`` when it is not 0.
+        ``meta.seconds`` is reported, ``epoch`` when it is not 0 and ``chain`` when it is
+        not None.
 
     Raises:
         ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
@@ -696,6 +701,8 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         value = getattr(meta, name)
         if not _is_int(value) or not 0 <= value < 10**19:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if meta.chain is not None and not (_is_int(meta.chain) and 0 <= meta.chain <= meta.step):
+        raise ValueError(f"chain must be an int from 0 to the step, got {meta.chain!r}")
     for name, q in tensors.items():
         if q.codec != meta.codec:
             raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
@@ -714,6 +721,7 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
                                             "final": "1" if meta.final else "0"}),
         **({"epoch": int(meta.epoch)} if meta.epoch else {}),
+        **({} if meta.chain is None else {"chain": int(meta.chain)}),
     }
 
 
@@ -810,8 +818,8 @@ def parse_entry(
     """Decode a Redis stream entry built by :func:`entry_fields`.
 
     Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
-    Fields beyond the known ones are ignored; ``seconds``, ``final`` and ``epoch`` may be
-    absent (None, no, 0).
+    Fields beyond the known ones are ignored; ``seconds``, ``final``, ``epoch`` and
+    ``chain`` may be absent (None, no, 0, None).
 
     Args:
         fields: The entry's fields.
@@ -834,7 +842,11 @@ def parse_entry(
         learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
         seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
         epoch=_int_field(fields, "epoch") if _optional(fields, "epoch") is not None else 0,
+        chain=_int_field(fields, "chain") if _optional(fields, "chain") is not None else None,
     )
+    if meta.chain is not None and meta.chain > meta.step:
+        raise DecodeError(f"field 'chain' ({meta.chain}) is after the entry's step "
+                          f"({meta.step})")
     if meta.codec not in CODECS:
         raise DecodeError(f"unknown codec {_r(meta.codec)}")
     nbytes = _int_field(fields, "nbytes")

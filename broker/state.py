@@ -23,6 +23,7 @@ from broker.codec import (
     MDict,
     MList,
     MMap,
+    MScalar,
     MStr,
     MTuple,
     unpack_checked,
@@ -56,8 +57,11 @@ _SCHEMA = MMap(
     optional={
         "history": MDict(20, _TENSORS, _MAX_HISTORY),
         "norms": MList(M_NUM, _MAX_NORMS),
-        # [learner, epoch, base_version, step, steps, tokens, seconds] of each learner's last
-        # merged push
+        # [learner, epoch, base_version, step, steps, tokens, seconds, chain or nil] of each
+        # learner's last merged push, least recently merged first
+        "merged_pushes": MList(MTuple(MStr(_MAX_LEARNER), M_INT, M_INT, M_INT, M_INT, M_INT,
+                                      M_NUM, MScalar("int", "nil")), _MAX_SEEN),
+        # the same rows without the chain: a state written before chains
         "merged_last": MList(MTuple(MStr(_MAX_LEARNER), M_INT, M_INT, M_INT, M_INT, M_INT,
                                     M_NUM), _MAX_SEEN),
     },
@@ -152,8 +156,10 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
     of arrays: each of a theta tensor's shape, fp32, or a scalar), ``seen`` (a list of
     ``[learner, base_version, step]``), ``sync_time_s`` (a float), and when the document
     holds them ``history`` (version text → name → fp32 array, the tensors of theta) and
-    ``norms`` (a list of floats) and ``merged_last`` (a list of ``[learner, epoch,
-    base_version, step, steps, tokens, seconds]``). Arrays are writable copies.
+    ``norms`` (a list of floats) and ``merged_pushes`` (a list of ``[learner, epoch,
+    base_version, step, steps, tokens, seconds, chain]``, chain an int or None; a state
+    written before chains holds ``merged_last``, the same rows without the chain, which come
+    back as ``merged_pushes`` with chain None). Arrays are writable copies.
 
     Args:
         blob: The document.
@@ -198,13 +204,17 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
         raise DecodeError("state: seen holds an empty learner name")
     sync_time_s = _float(doc["sync_time_s"], "sync_time_s")
     norms = None if "norms" not in doc else [_float(x, "norms") for x in doc["norms"]]
-    merged_last = None if "merged_last" not in doc else [
-        [learner, *(_int(v, f"merged_last {what}") for v, what in zip(
-            row, ("epoch", "base_version", "step", "steps", "tokens"), strict=True)),
-         _float(secs, "merged_last seconds")]
-        for learner, *row, secs in doc["merged_last"]]
-    if merged_last and not all(row[0] for row in merged_last):
-        raise DecodeError("state: merged_last holds an empty learner name")
+    merged = None
+    if "merged_pushes" in doc or "merged_last" in doc:
+        rows = doc.get("merged_pushes", [[*row, None] for row in doc.get("merged_last", ())])
+        merged = [
+            [learner, *(_int(v, f"merged_pushes {what}") for v, what in zip(
+                row, ("epoch", "base_version", "step", "steps", "tokens"), strict=True)),
+             _float(secs, "merged_pushes seconds"),
+             None if chain is None else _int(chain, "merged_pushes chain")]
+            for learner, *row, secs, chain in rows]
+        if not all(row[0] for row in merged):
+            raise DecodeError("state: merged_pushes holds an empty learner name")
     # every check passed: build the arrays
     out["theta"] = _build_tensors(theta, want)
     out["momentum"] = []
@@ -217,6 +227,6 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
     out["sync_time_s"] = sync_time_s
     if norms is not None:
         out["norms"] = norms
-    if merged_last is not None:
-        out["merged_last"] = merged_last
+    if merged is not None:
+        out["merged_pushes"] = merged
     return out

@@ -27,6 +27,10 @@ class Push:
     tokens: int
     payload: dict[str, quant.QTensor]
     seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
+    # the step of the first push of its chain: a push that supersedes one not known to be
+    # merged carries that one's progress too and continues its chain (the syncer counts a
+    # push only by what it adds to its chain's merged push); None: a chain of its own
+    chain: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +116,9 @@ class Contribution:
     nbytes: int = 0
     seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
     epoch: int = 0  # its learner process's epoch (0: none claimed)
+    # the step of the first push of its chain (`Push.chain`); None: an entry of a version
+    # before chains, which the syncer takes as one chain with its learner's pushes on its base
+    chain: int | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -289,7 +289,8 @@ class Engine:
         c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
                          push.tokens, dict(push.payload),
                          entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes,
-                         seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch)
+                         seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch,
+                         chain=push.chain)
         self._pushed[c.entry_id] = (lr.name, push.base_version, push.step)
         self._push_event(arrive, "arrive", c)
 

@@ -69,11 +69,19 @@ class _InFlight:
     # a push taken up again at a restore (`LearnerCore.resume_pushed`): the step it was sent
     # at, when `step` is the restore's (so that its merged value applies τ steps after it)
     sent_step: int | None = None
+    # the step of the first push of its chain (`Push.chain`): a push superseding this one
+    # while it is not known to be merged carries its progress and continues the chain
+    chain: int | None = None
 
     @property
     def key(self) -> tuple[int, int]:
         """(base_version, step) as the push was sent: what merge and refusal records name."""
         return self.base_version, self.step if self.sent_step is None else self.sent_step
+
+    @property
+    def chain_step(self) -> int:
+        """The step of its chain's first push (its own when it began a chain)."""
+        return self.key[1] if self.chain is None else self.chain
 
     def pushed_values(self) -> dict[str, np.ndarray]:
         assert self.pushed is not None
@@ -212,11 +220,15 @@ class LearnerCore:
             self.residual[p] = {n: delta[n] - quant.dequantize(payload[n])
                                 for n in self.fragments[p]}
         keep = theta if self.cfg.apply == "rebase" else None
+        # a push in flight here is superseded and not known to be merged (one found merged
+        # was rebased past): this push holds its progress too, so it continues its chain
+        before = self.inflight[p]
+        chain = step if before is None else before.chain_step
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
                                      self.tokens[p], payload, carried,
-                                     seconds_at_push=self.seconds[p])
+                                     seconds_at_push=self.seconds[p], chain=chain)
         return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload,
-                    self.seconds[p])
+                    self.seconds[p], chain)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray],
                   merged: MergedPush | str | None = UNKNOWN) -> bool:
@@ -370,7 +382,8 @@ class LearnerCore:
             meta["inflight"].append(None if f is None else {
                 "step": f.step, "base_version": f.base_version, "steps_at_push": f.steps_at_push,
                 "tokens_at_push": f.tokens_at_push, "secs_at_push": f.seconds_at_push,
-                "theta": f.theta_at_push is not None, "sent_step": f.sent_step})
+                "theta": f.theta_at_push is not None, "sent_step": f.sent_step,
+                "chain": f.chain})
             if f is not None and f.theta_at_push is not None:
                 arrays.update({f"theta_at_push{p}/{n}": v for n, v in f.theta_at_push.items()})
             if f is not None and f.pushed is not None:
@@ -434,7 +447,8 @@ class LearnerCore:
                 # older checkpoints lack it: that push, if superseded, goes out whole
                 optional("pushed", p), optional("carried", p),
                 seconds_at_push=_seconds(f.get("secs_at_push", old_at_push.get(str(p), 0.0))),
-                sent_step=None if f.get("sent_step") is None else int(f["sent_step"]))
+                sent_step=None if f.get("sent_step") is None else int(f["sent_step"]),
+                chain=None if f.get("chain") is None else int(f["chain"]))
                 for p, f in enumerate(meta["inflight"])]
             # a checkpoint without residuals (older, or error feedback off): they start at zero
             residual = [optional("residual", p) for p in range(P)]

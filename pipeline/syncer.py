@@ -6,11 +6,13 @@ returns and publish it. State that must survive a crash is exported by `state_di
 restored by `from_state_dict`.
 
 A push superseding an earlier one of its learner (sent because the earlier one's merged value
-was late) carries all the progress since their common base. If a round merged the earlier
-one first, the later one repeats its steps, tokens and seconds: the syncer remembers each
-learner's last merged push (`MergedPush`) and counts, weights and records only what a push
-on the same base, of the same learner process, adds to it; an earlier push that arrives after
-such a later one was merged is refused as superseded (its progress is merged already).
+was late, and not known to be merged) carries the earlier one's progress too; the two are one
+*chain* (`Push.chain`: the step of the chain's first push), whether or not the learner took a
+value, and so moved its base, in between. If a round merged the earlier one first, the later
+one repeats its steps, tokens and seconds: the syncer remembers each learner's last merged push
+(`MergedPush`) and counts, weights and records only what a push of the same chain, of the same
+learner process, adds to it; an earlier push of the chain that arrives after a later one was
+merged is refused as superseded (its progress is merged already).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class RoundResult:
 
 
 class MergedPush(NamedTuple):
-    """A learner's last merged push to a fragment, with its counts since its base."""
+    """A learner's last merged push to a fragment, with the counts it carried."""
 
     epoch: int
     base_version: int
@@ -81,6 +83,12 @@ class MergedPush(NamedTuple):
     steps: int
     tokens: int
     seconds: float
+    chain: int | None = None  # the step of its chain's first push (None: of no chain)
+
+
+# learners whose last merged push a syncer remembers (the most recently merged): a few per
+# live learner would do; the bound keeps a run whose learner names churn from growing it
+MAX_MERGED_KEPT = 4096
 
 
 class RoundRefused(ValueError):
@@ -171,8 +179,9 @@ class FragmentSyncer:
         # version → the dequantised value learners received for it (anchors stale contributions)
         self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
         self.seen: set[tuple[str, int, int]] = set()
-        # learner → its last push merged here: a later push on the same base repeats it
-        self.last_merged: dict[str, MergedPush] = {}
+        # learner → its last push merged here, least recently merged first: a later push of
+        # its chain repeats it
+        self.last_merged: OrderedDict[str, MergedPush] = OrderedDict()
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
@@ -238,7 +247,7 @@ class FragmentSyncer:
                             f"version {self.version}")
         elif repeats is not None and c.step <= repeats.step:
             reason = Reason(Drop.SUPERSEDED, f"superseded: its learner's push at step "
-                            f"{repeats.step} on the same base, merged, holds its progress")
+                            f"{repeats.step} of the same chain, merged, holds its progress")
         elif c.steps <= 0 or c.tokens <= 0:
             reason = Reason(Drop.EMPTY, f"empty contribution (steps {c.steps}, tokens "
                             f"{c.tokens})")
@@ -300,12 +309,15 @@ class FragmentSyncer:
 
     def _repeats(self, c: Contribution) -> MergedPush | None:
         """The merged push of c's learner whose progress c holds (or, if c is older, which
-        holds c's): one of the same process (epoch) on the same base. None for a learner
-        without epochs (0): its pushes cannot be told from a restarted process's."""
+        holds c's): one of the same process (epoch) and chain. An entry without a chain (a
+        version before chains) takes its learner's pushes on its base as its chain. None for
+        a learner without epochs (0): its pushes cannot be told from a restarted process's."""
         m = self.last_merged.get(c.learner)
-        if m is None or c.epoch == 0 or (m.epoch, m.base_version) != (c.epoch, c.base_version):
+        if m is None or c.epoch == 0 or m.epoch != c.epoch:
             return None
-        return m
+        if c.chain is None:
+            return m if (m.chain, m.base_version) == (None, c.base_version) else None
+        return m if m.chain == c.chain else None
 
     def waits_for_next_round(self, learner: str, key: tuple[str, int, int]) -> bool:
         """True when a contribution (not a duplicate) comes from a learner already in the open
@@ -396,11 +408,13 @@ class FragmentSyncer:
         oldest = self.version - self.sync_cfg.max_staleness - 1
         self.seen = {k for k in self.seen if k[1] >= oldest}
         for c in r.contributors.values():
+            self.last_merged.pop(c.learner, None)
             self.last_merged[c.learner] = MergedPush(c.epoch, c.base_version, c.step, c.steps,
-                                                     c.tokens, c.seconds)
-        # a push on an older base would be stale: it repeats nothing
-        self.last_merged = {n: m for n, m in self.last_merged.items()
-                            if m.base_version >= oldest}
+                                                     c.tokens, c.seconds, c.chain)
+        # not pruned by staleness: a chain goes on over newer bases (a push of it can repeat a
+        # merged push whose own base is long stale)
+        while len(self.last_merged) > MAX_MERGED_KEPT:
+            self.last_merged.popitem(last=False)
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
             sent_hash=self.sent_hash, included=r.included, dropped=r.dropped,
@@ -440,7 +454,7 @@ class FragmentSyncer:
             "seen": sorted([list(k) for k in self.seen - self._round.keys]),
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
-            "merged_last": [[n, *m] for n, m in sorted(self.last_merged.items())],
+            "merged_pushes": [[n, *m] for n, m in self.last_merged.items()],
         }
 
     @classmethod
@@ -460,8 +474,12 @@ class FragmentSyncer:
             s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
-        s.last_merged = {str(n): MergedPush(int(e), int(b), int(st), int(k), int(t), float(x))
-                         for n, e, b, st, k, t, x in d.get("merged_last", ())}
+        # a state written before chains holds rows without the chain ("merged_last")
+        rows = d.get("merged_pushes", [[*row, None] for row in d.get("merged_last", ())])
+        s.last_merged = OrderedDict(
+            (str(n), MergedPush(int(e), int(b), int(st), int(k), int(t), float(x),
+                                None if chain is None else int(chain)))
+            for n, e, b, st, k, t, x, chain in rows)
         if s.guard is not None:
             s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

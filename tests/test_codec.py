@@ -148,6 +148,27 @@ def test_an_entry_carries_its_learner_process_epoch() -> None:
         entry_fields(dataclasses.replace(META, epoch=-1), tensors)
 
 
+def test_an_entry_carries_its_chain() -> None:
+    """The chain (the step of the first push of the chain the entry continues) goes on the
+    wire when set; an entry without one (a version before chains) reads as None. A chain
+    that is not an int, or after the entry's own step, is refused."""
+    tensors = _tensors("int4")
+    plain = entry_fields(META, tensors)
+    assert "chain" not in plain and parse_entry(_redis_style(plain))[0].chain is None
+    fields = entry_fields(dataclasses.replace(META, chain=990), tensors)
+    assert fields["chain"] == 990
+    got, _ = parse_entry(_redis_style(fields))
+    assert got.chain == 990 and got.contribution({}).chain == 990
+    assert parse_entry(_redis_style(entry_fields(dataclasses.replace(META, chain=META.step),
+                                                 tensors)))[0].chain == META.step
+    for bad in (b"-1", b"x", b"", b"9" * 20, str(META.step + 1).encode()):
+        with pytest.raises(DecodeError, match="chain"):
+            parse_entry({**_redis_style(fields), b"chain": bad})
+    for bad in (-1, META.step + 1, "3", 2.0):
+        with pytest.raises(ValueError, match="chain"):
+            entry_fields(dataclasses.replace(META, chain=bad), tensors)
+
+
 def test_entry_fields_rejects_codec_mismatch_and_bad_meta() -> None:
     with pytest.raises(ValueError):
         entry_fields(META, _tensors("int8"))

@@ -174,7 +174,8 @@ def _state() -> dict:
             "history": {"6": {k: np.array(v + 1, np.float32) for k, v in theta.items()},
                         "7": dict(theta)},
             "seen": [["L0", 6, 10], ["L1", 7, 3]], "sync_time_s": 0.25, "norms": [1.0, 2.5],
-            "merged_last": [["L0", 2, 6, 10, 10, 1280, 1.5]]}
+            "merged_pushes": [["L0", 2, 6, 10, 10, 1280, 1.5, 4], ["L1", 1, 7, 3, 3, 384, 0.5,
+                                                                  None]]}
 
 
 STATE = pack_state(_state())
@@ -332,11 +333,11 @@ def ref_tensors(x: Any, want: dict | None) -> dict | None:
 
 
 def ref_state(doc: Any, shapes: dict | None = None) -> bool:
-    """A syncer state: fragment, version, theta, momentum, seen, sync_time_s; history, norms
-    and merged_last optional."""
+    """A syncer state: fragment, version, theta, momentum, seen, sync_time_s; history, norms,
+    merged_pushes and merged_last (the older form of merged_pushes) optional."""
     required = {"fragment", "version", "theta", "momentum", "seen", "sync_time_s"}
-    if not (type(doc) is dict
-            and required <= doc.keys() <= required | {"history", "norms", "merged_last"}):
+    optional = {"history", "norms", "merged_pushes", "merged_last"}
+    if not (type(doc) is dict and required <= doc.keys() <= required | optional):
         return False
     if not (_int(doc["fragment"], 0, 9999) and _int(doc["version"])):
         return False
@@ -367,6 +368,12 @@ def ref_state(doc: Any, shapes: dict | None = None) -> bool:
             type(m) is list and len(m) == 7 and _str(m[0], 1024, 1)
             and all(_int(x) for x in m[1:6]) and _num(m[6]) and m[6] >= 0
             for m in doc["merged_last"])):
+        return False
+    if "merged_pushes" in doc and not (type(doc["merged_pushes"]) is list and all(
+            type(m) is list and len(m) == 8 and _str(m[0], 1024, 1)
+            and all(_int(x) for x in m[1:6]) and _num(m[6]) and m[6] >= 0
+            and (m[7] is None or _int(m[7]))
+            for m in doc["merged_pushes"])):
         return False
     if "history" in doc:
         h = doc["history"]

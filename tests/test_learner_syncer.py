@@ -829,11 +829,12 @@ def _fc_syncer() -> FragmentSyncer:
                           is_embedding=is_embedding)
 
 
-def _fc_push(learner, step, steps, *, base=0, epoch=1, seconds=None, scale=1.0):
+def _fc_push(learner, step, steps, *, base=0, epoch=1, seconds=None, scale=1.0, chain=None):
     return Contribution(learner, 1, base, step, steps, steps * TOKENS,
                         {FC: (-G[FC] * steps * scale).astype(F32)},
                         entry_id=f"{learner}-{epoch}-{step}",
-                        seconds=0.5 * steps if seconds is None else seconds, epoch=epoch)
+                        seconds=0.5 * steps if seconds is None else seconds, epoch=epoch,
+                        chain=chain)
 
 
 def _merge(s: FragmentSyncer, *cs: Contribution):
@@ -845,22 +846,37 @@ def _merge(s: FragmentSyncer, *cs: Contribution):
 
 def test_a_push_repeating_a_merged_push_counts_and_weighs_only_what_it_adds():
     s = _fc_syncer()
-    _merge(s, _fc_push("a", 4, 4))  # merged into v1
-    # "a" superseded its step-4 push: the step-8 push on the same base holds its 4 steps too
-    r = _merge(s, _fc_push("a", 8, 8), _fc_push("b", 8, 8, epoch=3))
+    _merge(s, _fc_push("a", 4, 4, chain=4))  # merged into v1
+    # "a" superseded its step-4 push: the step-8 push (of its chain) holds its 4 steps too
+    r = _merge(s, _fc_push("a", 8, 8, chain=4), _fc_push("b", 8, 8, epoch=3, chain=8))
     (_, _, w_a, _), (_, _, w_b, _) = r.included
     assert (r.steps, r.tokens) == (4 + 8, (4 + 8) * TOKENS)
     assert r.seconds == [pytest.approx(2.0), pytest.approx(4.0)]
     assert w_a == pytest.approx(w_b / 2)  # 4 new steps' tokens against b's 8
-    # a push on a newer base (the learner took a value since) repeats nothing
-    r = _merge(s, _fc_push("a", 12, 4, base=2))
+    # a chain goes on over a newer base (the learner took a value that did not hold its push)
+    r = _merge(s, _fc_push("a", 12, 12, base=1, chain=4))
     assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
+    # a push of a chain of its own repeats nothing, on any base
+    r = _merge(s, _fc_push("a", 16, 4, base=1, chain=16))
+    assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
+
+
+def test_entries_without_chains_repeat_their_learners_pushes_on_the_same_base():
+    """An entry of a version before chains: its learner's pushes on one base are its chain."""
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4))
+    r = _merge(s, _fc_push("a", 8, 8))
+    assert r.steps == 4
+    r = _merge(s, _fc_push("a", 12, 4, base=2))  # a newer base: repeats nothing
+    assert r.steps == 4
+    ok, why = s.offer(_fc_push("a", 10, 2, base=2), 0.0)
+    assert not ok and why.kind is Drop.SUPERSEDED
 
 
 def test_an_earlier_push_after_a_later_merged_one_is_refused_as_superseded():
     s = _fc_syncer()
-    _merge(s, _fc_push("a", 8, 8))
-    ok, why = s.offer(_fc_push("a", 4, 4), 0.0)
+    _merge(s, _fc_push("a", 8, 8, chain=4))
+    ok, why = s.offer(_fc_push("a", 4, 4, chain=4), 0.0)
     assert not ok and why.kind is Drop.SUPERSEDED and "step 8" in why
     assert Reason.of(str(why)).kind is Drop.SUPERSEDED  # as round records read it back
 
@@ -875,8 +891,8 @@ def test_another_process_or_a_learner_without_epochs_repeats_nothing():
 
 def test_a_push_adding_nothing_to_its_merged_push_is_refused_as_empty():
     s = _fc_syncer()
-    _merge(s, _fc_push("a", 4, 4))
-    ok, why = s.offer(_fc_push("a", 6, 4), 0.0)  # claims no steps beyond the merged 4
+    _merge(s, _fc_push("a", 4, 4, chain=4))
+    ok, why = s.offer(_fc_push("a", 6, 4, chain=4), 0.0)  # claims no steps beyond the merged 4
     assert not ok and why.kind is Drop.EMPTY and "merged push" in why
 
 
@@ -890,6 +906,143 @@ def test_the_last_merged_pushes_survive_the_syncer_state():
     assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
     # a state written before the syncer kept them reads as none kept
     old = s.state_dict()
-    del old["merged_last"]
+    del old["merged_pushes"]
     assert FragmentSyncer.from_state_dict(old, OuterConfig(), s.sync_cfg,
                                           is_embedding).last_merged == {}
+    # one written before chains: rows without the chain, read as of no chain
+    old["merged_last"] = [["a", 1, 0, 4, 4, 32, 2.0]]
+    back = FragmentSyncer.from_state_dict(unpack_state(pack_state(old)), OuterConfig(),
+                                          s.sync_cfg, is_embedding)
+    assert back.last_merged == {"a": (1, 0, 4, 4, 32, 2.0, None)}
+
+
+def test_the_merged_pushes_kept_are_bounded_and_chains_survive_the_state(monkeypatch):
+    import pipeline.syncer as syncer_mod
+    monkeypatch.setattr(syncer_mod, "MAX_MERGED_KEPT", 2)
+    s = _fc_syncer()
+    _merge(s, _fc_push("a", 4, 4, chain=2), _fc_push("b", 4, 4), _fc_push("c", 4, 4))
+    assert len(s.last_merged) == 2
+    _merge(s, _fc_push("c", 8, 4, base=1))
+    _merge(s, _fc_push("d", 8, 4, base=2))  # the least recently merged goes first
+    assert list(s.last_merged) == ["c", "d"]
+    _merge(s, _fc_push("c", 12, 4, base=3, chain=10))
+    back = FragmentSyncer.from_state_dict(unpack_state(pack_state(s.state_dict())),
+                                          OuterConfig(), s.sync_cfg, is_embedding)
+    assert back.last_merged == s.last_merged and list(back.last_merged) == ["d", "c"]
+    assert back.last_merged["c"].chain == 10
+
+
+@pytest.mark.parametrize("held", ["none", "older"])
+def test_a_superseding_push_on_a_newer_base_counts_only_what_it_adds(held):
+    """Under "rebase" a value that does not hold the push in flight moves the learner's base
+    and leaves the push in flight: a push superseding it then goes out on the newer base
+    carrying the older push's progress too. If a round merges the older push meanwhile, the
+    syncer counts only what the newer one adds (its steps, tokens, seconds and weight), as it
+    does for one on the same base: progress is counted once."""
+    core, params = make(REBASE)
+    s = _fc_syncer()
+    core.merged_lookup = lambda p, f: None  # the syncer has not merged the push yet
+    params, pushes = run(core, params, range(1, 3))  # A: fragment 1 at step 2, 2 steps
+    [a] = [p for p in pushes[2] if p.fragment == 1]
+    if held == "older":  # A superseded an earlier push A0 (step 2), which round 1 merged
+        params, pushes = run(core, params, range(3, 11))
+        [a0, a] = a, next(p for p in pushes[10] if p.fragment == 1)
+        assert (a.base_version, a.steps) == (0, 10)
+        _merge(s, _as_contribution(a0))  # v1 holds A0
+        record = (a0.base_version, a0.step, 1)
+    else:
+        _merge(s, _fc_push("b", 2, 2, epoch=3))  # v1 closed before A arrived
+        record = None
+    value = {FC: quant.dequantize(s.sent[FC])}
+    assert core.on_global(1, 1, value, record)
+    params, _ = run(core, params, [a.step + 1])  # applied: the base moves to v1, A stays
+    assert core.base_version[1] == 1 and core.inflight[1].key == (0, a.step)
+    params, pushes = run(core, params, range(a.step + 2, a.step + 9))  # B supersedes A
+    [b] = [p for p in pushes[a.step + 8] if p.fragment == 1]
+    assert b.base_version == 1 and b.steps == a.step + 8
+    r_a = _merge(s, _as_contribution(a))  # A is merged after all (it waited in the stream)
+    r_b = _merge(s, _as_contribution(b))
+    merged_before = 2 if held == "older" else 0
+    assert r_a.steps == a.steps - merged_before
+    assert r_b.steps == 8  # B adds the 8 steps since A, not A's again
+    assert merged_before + r_a.steps + r_b.steps == b.steps
+
+
+def _as_contribution(push, learner="a", epoch=1) -> Contribution:
+    return Contribution(learner, push.fragment, push.base_version, push.step, push.steps,
+                        push.tokens, decoded(push), entry_id=f"{learner}-{push.step}",
+                        seconds=push.seconds, epoch=epoch, chain=push.chain)
+
+
+def test_random_schedules_merge_no_step_of_a_learner_twice():
+    """LearnerCores and FragmentSyncers under random schedules: learners of uneven speed,
+    pushes arriving late, rounds closing whenever they hold one contribution, merged values
+    late or lost (the learner then learns of a merge only from the records, at a superseding
+    push). Whatever the order, the progress the rounds count of a learner (its seconds, one
+    per step) never exceeds the steps it made: no step is merged twice. The schedules must
+    include superseding pushes on a base newer than their chain's first push's."""
+    names = ("a", "b", "c")
+    cfg = dataclasses.replace(REBASE, quorum=1, max_staleness=6, codec_down="fp32")
+    moved_chains = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), cfg,
+                                  is_embedding=is_embedding) for p, f in enumerate(FRAGS)]
+        values = [{0: {n: BASE[n] for n in f}} for f in FRAGS]  # p → version → value
+        records: dict = {}  # (learner, p) → (base, step, version) of its last merged push
+        cores, params, made, counted = {}, {}, dict.fromkeys(names, 0), {}
+        for m in names:
+            cores[m] = LearnerCore(m, FRAGS, cfg, BASE, [0, 0])
+            params[m] = {k: jnp.asarray(v) for k, v in BASE.items()}
+            counted.update({(m, p): 0.0 for p in range(2)})
+
+            def lookup(p, f, m=m, records=records, values=values):
+                rec = records.get((m, p))
+                if rec is None or (rec[0], rec[1]) != f.key:
+                    return None
+                return rec[2], values[p][rec[2]]
+            cores[m].merged_lookup = lookup
+        streams = [[] for _ in FRAGS]  # p → [(arrival tick, contribution)]
+        inbox = {m: [] for m in names}  # m → [(delivery tick, p, version)]
+        keys, starts = {}, {}  # entry id → (learner, base, step); chain start → its base
+        for tick in range(600):
+            m = names[rng.choice(3, p=[0.5, 0.3, 0.2])]
+            made[m] += 1
+            g = {k: (rng.standard_normal(v.shape) * 0.01).astype(F32) for k, v in G.items()}
+            params[m], pushes = cores[m].after_step(made[m], TOKENS, inner(params[m], g), 1.0)
+            for push in pushes:
+                starts.setdefault((m, push.fragment, push.chain), push.base_version)
+                moved_chains += push.base_version != starts[(m, push.fragment, push.chain)]
+                c = Contribution(m, push.fragment, push.base_version, push.step, push.steps,
+                                 push.tokens, decoded(push), entry_id=f"{m}-{push.step}",
+                                 seconds=push.seconds, epoch=1, chain=push.chain)
+                keys[c.entry_id] = (m, push.base_version, push.step)
+                streams[push.fragment].append((tick + int(rng.integers(0, 30)), c))
+            for p, s in enumerate(syncers):
+                while streams[p] and streams[p][0][0] <= tick:
+                    ok, why = s.offer(streams[p][0][1], float(tick))
+                    if not ok and why.kind is Drop.DEFER:
+                        break  # offered again after the round closes
+                    streams[p].pop(0)
+                if s._round.contributors and rng.random() < 0.15:
+                    r = s.close(float(tick), "test")
+                    values[p][r.version] = {k: quant.dequantize(q) for k, q in r.sent.items()}
+                    for (entry_id, who, _, _), secs in zip(r.included, r.seconds, strict=True):
+                        counted[(who, p)] += secs
+                        records[(who, p)] = (*keys[entry_id][1:], r.version)
+                    for n in names:
+                        if rng.random() < 0.7:  # else lost: a missed message
+                            last = max((d for d, q, _ in inbox[n] if q == p), default=0)
+                            inbox[n].append((max(last, tick + int(rng.integers(0, 20))), p,
+                                             r.version))
+            for n in names:
+                due = [x for x in inbox[n] if x[0] <= tick]
+                inbox[n] = [x for x in inbox[n] if x[0] > tick]
+                for _, p, v in due:  # the record is read as the value arrives
+                    cores[n].on_global(p, v, values[p][v], records.get((n, p)))
+            for (who, p), secs in counted.items():
+                assert secs <= made[who] + 1e-6, (seed, tick, who, p, secs, made[who])
+        # and little is lost: what the rounds have not counted yet is the last pushes' and
+        # what refused (stale) pushes carried
+        assert sum(counted.values()) >= 0.8 * len(FRAGS) * sum(made.values()), seed
+    assert moved_chains > 0

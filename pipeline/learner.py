@@ -52,6 +52,15 @@ def _seconds(v) -> float:
     return x
 
 
+def _chain(v, step: int) -> int | None:
+    """A checkpoint's chain of a push in flight at `step`: None or an int in [0, step]."""
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v <= step:
+        raise ValueError(f"checkpoint's push in flight at step {step} has chain {v!r}")
+    return v
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -80,8 +89,10 @@ class _InFlight:
 
     @property
     def chain_step(self) -> int:
-        """The step of its chain's first push (its own when it began a chain)."""
-        return self.key[1] if self.chain is None else self.chain
+        """The step of its chain's first push (its own when it began a chain; for a push taken
+        up at a restore, the restore's step: a new process's pushes are never netted against
+        an older one's, and a chain must not begin after the pushes that continue it)."""
+        return self.step if self.chain is None else self.chain
 
     def pushed_values(self) -> dict[str, np.ndarray]:
         assert self.pushed is not None
@@ -127,6 +138,9 @@ class LearnerCore:
         self.merged_lookup: Callable[[int, _InFlight], tuple[int, Mapping[str, np.ndarray]]
                                      | str | None] | None = None
         self.rebased_merged = 0  # superseding pushes that found their predecessor merged
+        # per fragment, the chain a forgotten push (`forget_push`) leaves to the next push: its
+        # progress, possibly part merged by the chain's earlier pushes, goes out again in it
+        self.chain_next: list[int | None] = [None] * P
         # up-link error feedback (sync.up_feedback): per fragment, the part of the pushes'
         # δ + e that their quantisation dropped (None: zero); it goes out with the next push
         self.residual: list[dict[str, np.ndarray] | None] = [None] * P
@@ -223,7 +237,9 @@ class LearnerCore:
         # a push in flight here is superseded and not known to be merged (one found merged
         # was rebased past): this push holds its progress too, so it continues its chain
         before = self.inflight[p]
-        chain = step if before is None else before.chain_step
+        chain = before.chain_step if before is not None else (
+            step if self.chain_next[p] is None else self.chain_next[p])
+        self.chain_next[p] = None
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
                                      self.tokens[p], payload, carried,
                                      seconds_at_push=self.seconds[p], chain=chain)
@@ -358,12 +374,14 @@ class LearnerCore:
     def _count_since(self, p: int, f: _InFlight) -> None:
         """Fragment p's counters hold only the progress made since push `f` (what it carried
         is taken by a round)."""
+        self.chain_next[p] = None
         self.steps[p] -= f.steps_at_push
         self.tokens[p] -= f.tokens_at_push
         self.seconds[p] = max(0.0, self.seconds[p] - f.seconds_at_push)
 
     def _count_none(self, p: int) -> None:
         """Fragment p has no progress of its own any more (overwritten or dropped)."""
+        self.chain_next[p] = None
         self.steps[p], self.tokens[p], self.seconds[p] = 0, 0, 0.0
 
     # -- checkpointing ---------------------------------------------------------------------------
@@ -448,7 +466,7 @@ class LearnerCore:
                 optional("pushed", p), optional("carried", p),
                 seconds_at_push=_seconds(f.get("secs_at_push", old_at_push.get(str(p), 0.0))),
                 sent_step=None if f.get("sent_step") is None else int(f["sent_step"]),
-                chain=None if f.get("chain") is None else int(f["chain"]))
+                chain=_chain(f.get("chain"), int(f["step"])))
                 for p, f in enumerate(meta["inflight"])]
             # a checkpoint without residuals (older, or error feedback off): they start at zero
             residual = [optional("residual", p) for p in range(P)]
@@ -461,6 +479,7 @@ class LearnerCore:
         self.applied, self.inflight, self.residual, self.pending = (applied, inflight, residual,
                                                                     pending)
         self.pending_merged = [UNKNOWN] * P  # not saved: a restored value counts as unknown
+        self.chain_next = [None] * P  # a restored process's pushes repeat no older one's
 
     def adopt_base(self, p: int, params: Params) -> Params:
         """End of run: fragment p's last push was never merged (refused) and no later version
@@ -498,4 +517,6 @@ class LearnerCore:
         f = self.inflight[p]
         if f is not None and self.cfg.up_feedback:
             self.residual[p] = f.carried
+        if f is not None:  # the next push carries its progress: it continues its chain
+            self.chain_next[p] = f.chain_step
         self.inflight[p] = None

@@ -479,7 +479,7 @@ class FragmentSyncer:
         s.last_merged = OrderedDict(
             (str(n), MergedPush(int(e), int(b), int(st), int(k), int(t), float(x),
                                 None if chain is None else int(chain)))
-            for n, e, b, st, k, t, x, chain in rows)
+            for n, e, b, st, k, t, x, chain in rows[-MAX_MERGED_KEPT:])
         if s.guard is not None:
             s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

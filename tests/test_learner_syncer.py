@@ -968,6 +968,40 @@ def test_a_superseding_push_on_a_newer_base_counts_only_what_it_adds(held):
     assert merged_before + r_a.steps + r_b.steps == b.steps
 
 
+def test_chains_through_forgotten_pushes_restores_and_checkpoints():
+    """A push superseding one in flight continues its chain; a push going out after a
+    forgotten one (refused: its progress goes out again) continues the forgotten one's; a
+    push taken up at a restore chains from the restore's step (never after the pushes that
+    continue it, even when the real push was sent later); a checkpoint keeps the chain and
+    refuses one that is not an int in [0, the push's step]."""
+    core, params = make()
+    params, out = run(core, params, range(1, 11))
+    assert [(p.step, p.chain) for p in out[2] + out[10] if p.fragment == 1] == [(2, 2), (10, 2)]
+    meta, arrays = core.state_dict()
+    back = make()[0]
+    back.load_state(meta, arrays)
+    assert back.inflight[1].chain_step == 2
+    core.forget_push(1)  # the step-10 push was refused
+    [again] = [p for p in core.push_all(11, params) if p.fragment == 1]
+    assert (again.step, again.steps, again.chain) == (11, 10, 2)
+    # a value that holds the progress ends the chain: the next push begins its own
+    assert core.on_global(1, 1, V)
+    params = core.apply_due(12, params)
+    params, out = run(core, params, range(12, 15))
+    assert [(p.step, p.chain) for p in out[14] if p.fragment == 1] == [(14, 14)]
+    # taken up at a restore at step 4, sent at step 20 by the process that died
+    core, params = make()
+    params, _ = run(core, params, range(1, 5))
+    core.resume_pushed(1, 0, 20, 4, params)
+    params, out = run(core, params, range(5, 11))  # step 10 supersedes it
+    [push] = [p for p in out[10] if p.fragment == 1]
+    assert push.chain == 4  # the restore's step: an entry may not chain from after its step
+    for bad in (-1, 11, "2", 2.0, True):
+        m = {**meta, "inflight": [None, {**meta["inflight"][1], "chain": bad}]}
+        with pytest.raises(ValueError, match="chain"):
+            make()[0].load_state(m, arrays)
+
+
 def _as_contribution(push, learner="a", epoch=1) -> Contribution:
     return Contribution(learner, push.fragment, push.base_version, push.step, push.steps,
                         push.tokens, decoded(push), entry_id=f"{learner}-{push.step}",
@@ -976,25 +1010,28 @@ def _as_contribution(push, learner="a", epoch=1) -> Contribution:
 
 def test_random_schedules_merge_no_step_of_a_learner_twice():
     """LearnerCores and FragmentSyncers under random schedules: learners of uneven speed,
-    pushes arriving late, rounds closing whenever they hold one contribution, merged values
-    late or lost (the learner then learns of a merge only from the records, at a superseding
-    push). Whatever the order, the progress the rounds count of a learner (its seconds, one
-    per step) never exceeds the steps it made: no step is merged twice. The schedules must
-    include superseding pushes on a base newer than their chain's first push's."""
+    pushes arriving late (some refused as stale: the learner forgets them, and their
+    progress goes out again), rounds closing whenever they hold one contribution, merged
+    values late or lost (the learner then learns of a merge only from the records, at a
+    superseding push). Whatever the order, the progress the rounds count of a learner on a
+    fragment (its seconds, one per step) never exceeds the step of its last merged push: no
+    step is merged twice. The schedules must include superseding pushes on a base newer than
+    their chain's first push's, and forgotten pushes."""
     names = ("a", "b", "c")
-    cfg = dataclasses.replace(REBASE, quorum=1, max_staleness=6, codec_down="fp32")
-    moved_chains = 0
+    cfg = dataclasses.replace(REBASE, quorum=1, max_staleness=3, codec_down="fp32")
+    moved_chains = forgotten = 0
     for seed in range(12):
         rng = np.random.default_rng(seed)
         syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), cfg,
                                   is_embedding=is_embedding) for p, f in enumerate(FRAGS)]
         values = [{0: {n: BASE[n] for n in f}} for f in FRAGS]  # p → version → value
         records: dict = {}  # (learner, p) → (base, step, version) of its last merged push
-        cores, params, made, counted = {}, {}, dict.fromkeys(names, 0), {}
+        cores, params, made, counted, upto = {}, {}, dict.fromkeys(names, 0), {}, {}
         for m in names:
             cores[m] = LearnerCore(m, FRAGS, cfg, BASE, [0, 0])
             params[m] = {k: jnp.asarray(v) for k, v in BASE.items()}
             counted.update({(m, p): 0.0 for p in range(2)})
+            upto.update({(m, p): 0 for p in range(2)})  # the step of its last merged push
 
             def lookup(p, f, m=m, records=records, values=values):
                 rec = records.get((m, p))
@@ -1020,16 +1057,22 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
                 streams[push.fragment].append((tick + int(rng.integers(0, 30)), c))
             for p, s in enumerate(syncers):
                 while streams[p] and streams[p][0][0] <= tick:
-                    ok, why = s.offer(streams[p][0][1], float(tick))
+                    c = streams[p][0][1]
+                    ok, why = s.offer(c, float(tick))
                     if not ok and why.kind is Drop.DEFER:
                         break  # offered again after the round closes
                     streams[p].pop(0)
+                    f = cores[c.learner].inflight[p]
+                    if not ok and f is not None and f.key == (c.base_version, c.step):
+                        cores[c.learner].forget_push(p)  # refused: its progress goes again
+                        forgotten += 1
                 if s._round.contributors and rng.random() < 0.15:
                     r = s.close(float(tick), "test")
                     values[p][r.version] = {k: quant.dequantize(q) for k, q in r.sent.items()}
                     for (entry_id, who, _, _), secs in zip(r.included, r.seconds, strict=True):
                         counted[(who, p)] += secs
                         records[(who, p)] = (*keys[entry_id][1:], r.version)
+                        upto[(who, p)] = max(upto[(who, p)], keys[entry_id][2])
                     for n in names:
                         if rng.random() < 0.7:  # else lost: a missed message
                             last = max((d for d, q, _ in inbox[n] if q == p), default=0)
@@ -1040,9 +1083,10 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
                 inbox[n] = [x for x in inbox[n] if x[0] > tick]
                 for _, p, v in due:  # the record is read as the value arrives
                     cores[n].on_global(p, v, values[p][v], records.get((n, p)))
+            # merged progress of a learner lies before the step of its last merged push
             for (who, p), secs in counted.items():
-                assert secs <= made[who] + 1e-6, (seed, tick, who, p, secs, made[who])
+                assert secs <= upto[(who, p)] + 1e-6, (seed, tick, who, p, secs, upto[(who, p)])
         # and little is lost: what the rounds have not counted yet is the last pushes' and
         # what refused (stale) pushes carried
         assert sum(counted.values()) >= 0.8 * len(FRAGS) * sum(made.values()), seed
-    assert moved_chains > 0
+    assert moved_chains > 0 and forgotten > 0

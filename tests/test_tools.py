@@ -34,7 +34,7 @@ from pipeline.model import is_embedding, param_shapes
 ENTRY_KEYS = {"id", "fragment", "learner", "base_version", "step", "steps", "tokens", "codec",
               "payload_bytes", "entry_bytes", "seconds", "final", "age_s", "pending", "consumer",
               "deliveries", "idle_s", "state", "version", "dropped_reason", "dead_letter",
-              "dlq_reason", "source_id", "epoch"}
+              "dlq_reason", "source_id", "epoch", "chain"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -99,6 +99,7 @@ def test_inspect_lists_entries_of_every_fragment(finished, capsys):
         for e in f["entries"]:
             assert set(e) == ENTRY_KEYS
             assert e["epoch"] >= 1  # each learner process claims one when it joins
+            assert 0 <= e["chain"] <= e["step"]  # every push names the chain it continues
             assert e["fragment"] == f["fragment"]
             assert e["codec"] == finished.cfg.sync.codec_up
             assert e["payload_bytes"] > 0 and e["entry_bytes"] > e["payload_bytes"]

@@ -153,7 +153,7 @@ def _entry_record(p: int, entry_id: str, fields: dict, now_s: float) -> dict[str
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
         "entry_bytes": sum(len(k) + len(v) for k, v in fields.items()),
         "seconds": _float(fields, "seconds"), "final": _int(fields, "final") == 1,
-        "epoch": _int(fields, "epoch"),
+        "epoch": _int(fields, "epoch"), "chain": _int(fields, "chain"),
         "age_s": max(0.0, now_s - id_ms(entry_id) / 1000.0),
         "pending": False, "consumer": None, "deliveries": None, "idle_s": None,
         "state": "acked", "version": None, "dropped_reason": None,
@@ -213,7 +213,8 @@ def collect(redis_url: str, run: str, fragment: int | None = None,
         or None), ``shown`` and ``entries``. Each entry: ``id``, ``fragment``, ``learner``,
         ``base_version``, ``step``, ``steps``, ``tokens``, ``codec``, ``payload_bytes``,
         ``entry_bytes`` (all fields), ``seconds``, ``final``, ``epoch`` (its learner
-        process's epoch; None: the entry has none), ``age_s``, ``pending``,
+        process's epoch; None: the entry has none), ``chain`` (the step of the first push
+        of the chain it continues; None: the entry has none), ``age_s``, ``pending``,
         ``consumer``, ``deliveries`` and ``idle_s`` (from XPENDING; None unless pending),
         ``state`` (``unread`` | ``pending`` | ``merged`` | ``dropped`` | ``acked`` |
         ``dead_letter``), ``version`` (of the round that merged or dropped it),
@@ -290,8 +291,9 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
 
     Returns:
         ``{"run", "fragment", "id", "dead_letter", "dlq_reason", "learner", "base_version",
-        "step", "steps", "tokens", "epoch", "codec", "payload_bytes", "decode_error",
-        "tensors", "total"}`` (``epoch`` None: the entry has none): ``decode_error`` is None
+        "step", "steps", "tokens", "epoch", "chain", "codec", "payload_bytes",
+        "decode_error", "tensors", "total"}`` (``epoch``, ``chain`` None: the entry has none;
+        ``chain``: the step of the first push of the chain it continues): ``decode_error`` is None
         or the reason the payload did not decode (then ``tensors`` is empty); each tensor
         has ``name``, ``codec``, ``block``, ``shape``, ``numel``, ``wire_bytes``,
         ``l2_norm``, ``min``, ``max``, ``mean_abs`` (after dequantising, over finite values),
@@ -318,7 +320,8 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
         "run": run, "fragment": fragment, "id": entry_id, "dead_letter": dead,
         "dlq_reason": as_text(fields.get(b"dlq_reason")),
         "learner": as_text(fields.get(b"learner")),
-        **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens", "epoch")},
+        **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens", "epoch",
+                                        "chain")},
         "codec": as_text(fields.get(b"codec")),
         "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
         "decode_error": None, "tensors": [], "total": {"numel": 0, "l2_norm": 0.0,
@@ -394,7 +397,8 @@ def render_entry(rep: dict[str, Any]) -> str:
              f"base v{_v(rep['base_version'])}, {_v(rep['steps'])} steps, "
              f"{_v(rep['tokens'])} tokens, {_v(rep['codec'])}, payload "
              f"{_size(rep['payload_bytes'])}"
-             + (f", epoch {rep['epoch']}" if rep["epoch"] is not None else "")]
+             + (f", epoch {rep['epoch']}" if rep["epoch"] is not None else "")
+             + (f", chain {rep['chain']}" if rep.get("chain") is not None else "")]
     if rep["decode_error"]:
         lines.append(f"  payload does not decode: {rep['decode_error']}")
         return "\n".join(lines)

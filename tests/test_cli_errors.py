@@ -89,6 +89,7 @@ CASES = [
     ("bench s1 --out OUT --spares --spare-after-s -1", ">= 0"),
     ("bench s1 --out OUT --checkpoint-every -2", "--checkpoint-every"),
     ("bench s1 --out OUT --modes decoupled,ddp", "--modes"),
+    ("bench s2 --out OUT --set outer.momentum=1.5", "outer.momentum"),
 ]
 
 

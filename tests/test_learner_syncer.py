@@ -320,7 +320,7 @@ TOK = {"a": 8, "b": 16}
 
 
 def test_end_to_end_two_learners():
-    syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(), E2E_SYNC,
+    syncers = [FragmentSyncer(p, {n: BASE[n] for n in f}, OuterConfig(momentum=0.9), E2E_SYNC,
                                   is_embedding=is_embedding)
                for p, f in enumerate(FRAGS)]
     start = {n: v for s in syncers for n, v in s.sent_values.items()}

@@ -122,16 +122,18 @@ def s1(out: Path, seeds: list[int], *, duration_s: float = 300.0, pace_s: float 
 
 
 def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: float = 180.0,
-       pace_s: float = 0.2, progress: Progress = _quiet, live: Live | None = None) -> dict:
+       pace_s: float = 0.2, progress: Progress = _quiet, live: Live | None = None,
+       base: RunConfig | None = None) -> dict:
     """S2, a straggler (speeds 1, 1, 1, 1/3): the variants side by side per seed (the seed
-    picks the model initialisation and data order). Writes ``s2.json`` and ``s2.png``."""
+    picks the model initialisation and data order). `base`: the configuration every variant
+    starts from (default `base_config`). Writes ``s2.json`` and ``s2.png``."""
     out.mkdir(parents=True, exist_ok=True)
     slow = {"L3": 2 * pace_s}  # 3× the paced step time: speed 1/3
     runs = {}
     for seed in seeds:
-        base = cfgmod.override(base_config(), seed=seed)
-        corpus = run_corpus(base)
-        variants = {name: _s2_config(base, name) for name in variant_names}
+        seeded = cfgmod.override(base or base_config(), seed=seed)
+        corpus = run_corpus(seeded)
+        variants = {name: _s2_config(seeded, name) for name in variant_names}
         results = {name: _variant(cfg, out / f"seed{seed}", name, [], duration_s,
                                   pace_s, corpus, slow, progress, live)
                    for name, cfg in variants.items()}
@@ -151,7 +153,7 @@ def s2(out: Path, seeds: list[int], variant_names: list[str], *, duration_s: flo
                       "goodput_mean": _mean(r[name]["goodput"] for r in runs.values())}
                for name in names}
     doc = _save(out, "s2", runs, summary, {"duration_s": duration_s, "pace_s": pace_s,
-                                           "seeds": seeds}, base_config())
+                                           "seeds": seeds}, base or base_config())
     _plot(out / "s2.png", runs, "S2: speeds 1, 1, 1, 1/3, M=4")
     return doc
 

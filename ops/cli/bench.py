@@ -90,11 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "schedule; s2: model initialisation and data order)")
         b.add_argument("--out", default=f"runs/bench-{name}")
         b.add_argument("--quiet", action="store_true", help="no live progress")
+        b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the benchmark's configuration, e.g. "
+                            "--set model.d_model=128 (TOML value syntax; s2: every variant)")
         if name == "s1":
             b.add_argument("--learners", type=int, help="learners M (default 4)")
-            b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                           help="override a field of the benchmark's configuration, e.g. "
-                                "--set model.d_model=128 (TOML value syntax)")
             b.add_argument("--spares", action="store_true",
                            help="every learner (both modes) has a warm spare that takes over "
                                 "when it is killed (diloco chaos --spares)")
@@ -216,7 +216,7 @@ def _resilience(args: argparse.Namespace) -> int:
     except ValueError:
         return fail(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     base = None
-    if args.bench == "s1" and (args.learners or args.set):
+    if getattr(args, "learners", None) or args.set:
         try:
             base = config_from_args(args, base=resilience.base_config())
         except ConfigError as e:
@@ -247,7 +247,7 @@ def _resilience(args: argparse.Namespace) -> int:
                                 checkpoint_every=args.checkpoint_every, modes=modes,
                                 **common)
         else:
-            doc = resilience.s2(Path(args.out), seeds, names, **common)
+            doc = resilience.s2(Path(args.out), seeds, names, base=base, **common)
     d = resilience.digest(doc)
     print(json.dumps(d["runs"], indent=1))
     print(json.dumps({"summary": d["summary"]}, indent=1))

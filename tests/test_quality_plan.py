@@ -172,3 +172,13 @@ def test_a_second_planner_on_the_same_folder_is_refused(tmp_path, capsys):
         assert "another planner is running" in capsys.readouterr().err
         # the dry run only reads, so it goes on beside a running planner
         assert main(["--out", str(tmp_path), "--dry-run"]) == 0
+
+
+def test_the_plans_default_momentum_is_the_quality_bases():
+    """Runs named without " om=" run at the quality bases' outer momentum, pinned to what the
+    kept runs were measured with (not the shipped default, which moved to 0.7)."""
+    from ops.bench import quality
+    from ops.bench.quality_default import MOMENTUM_DEFAULT
+    assert MOMENTUM_DEFAULT == quality.QUALITY_MOMENTUM == 0.9
+    assert quality.default_model_config().outer.momentum == MOMENTUM_DEFAULT
+    assert quality.bench_model_config().outer.momentum == MOMENTUM_DEFAULT

@@ -63,6 +63,8 @@ OUTER_DEFAULT = 0.7
 OUTER_START = (OUTER_DEFAULT, 0.4, 1.0)
 OUTER_GRID = (0.2, 0.4, 0.7, 1.0, 1.4)
 # then its outer Nesterov momentum, at its best inner and outer rate (the default first)
+# the base's (runs named without " om="): ops.bench.quality.QUALITY_MOMENTUM, not imported
+# here (it would load JAX into the planner)
 MOMENTUM_DEFAULT = 0.9
 MOMENTUM_START = (MOMENTUM_DEFAULT, 0.5, 0.7)
 MOMENTUM_GRID = (0.0, 0.3, 0.5, 0.7, 0.9)

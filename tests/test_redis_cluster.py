@@ -15,7 +15,7 @@ from redis.cluster import RedisCluster
 
 from broker.connection import connect
 from broker.keys import RunKeys
-from ops.cluster import ClusterServers
+from ops.cluster import ClusterServers, free_port
 from ops.cluster.artifacts import load_checkpoint
 from ops.tools.replay import replay
 from pipeline import config as cfgmod
@@ -34,6 +34,18 @@ TINY = {
 def cluster(tmp_path_factory):
     with ClusterServers(tmp_path_factory.mktemp("cluster")) as c:
         yield c
+
+
+def test_free_ports_are_never_handed_out_twice_and_a_cluster_uses_distinct_ones(tmp_path):
+    """The kernel may give a just-closed port again: a node whose bus port equalled its client
+    port (or another node's) failed to start with "Address already in use"."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+    c = ClusterServers(tmp_path)  # not started: only its ports are drawn
+    taken = [n.port for n in c.nodes] + [int(n.extra[n.extra.index("--cluster-port") + 1])
+                                         for n in c.nodes]
+    assert len(set(taken)) == len(taken) == 12
+    assert not set(taken) & set(ports)
 
 
 def test_a_plain_url_of_any_node_gives_a_cluster_client(cluster, redis_url):

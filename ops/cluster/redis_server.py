@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -20,10 +21,25 @@ INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: 
                 "--redis-url redis://HOST:PORT/0 to use a running server.")
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, and never one this process handed out before.
+
+    The kernel may give the port it just gave again once the probing socket is closed, and
+    the ports are taken only later, when the servers start: a cluster node's client and bus
+    ports, or two nodes, would then collide ("Address already in use")."""
+    with _HANDED_LOCK:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError("no TCP port free on 127.0.0.1 that this process has not handed out")
 
 
 @dataclass(frozen=True)

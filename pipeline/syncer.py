@@ -474,12 +474,11 @@ class FragmentSyncer:
             s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
-        # a state written before chains holds rows without the chain ("merged_last")
-        rows = d.get("merged_pushes", [[*row, None] for row in d.get("merged_last", ())])
+        # broker.state.unpack_state reads the older form ("merged_last", without chains)
         s.last_merged = OrderedDict(
             (str(n), MergedPush(int(e), int(b), int(st), int(k), int(t), float(x),
                                 None if chain is None else int(chain)))
-            for n, e, b, st, k, t, x, chain in rows[-MAX_MERGED_KEPT:])
+            for n, e, b, st, k, t, x, chain in d.get("merged_pushes", ())[-MAX_MERGED_KEPT:])
         if s.guard is not None:
             s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

@@ -907,8 +907,8 @@ def test_the_last_merged_pushes_survive_the_syncer_state():
     # a state written before the syncer kept them reads as none kept
     old = s.state_dict()
     del old["merged_pushes"]
-    assert FragmentSyncer.from_state_dict(old, OuterConfig(), s.sync_cfg,
-                                          is_embedding).last_merged == {}
+    assert FragmentSyncer.from_state_dict(unpack_state(pack_state(old)), OuterConfig(),
+                                          s.sync_cfg, is_embedding).last_merged == {}
     # one written before chains: rows without the chain, read as of no chain
     old["merged_last"] = [["a", 1, 0, 4, 4, 32, 2.0]]
     back = FragmentSyncer.from_state_dict(unpack_state(pack_state(old)), OuterConfig(),

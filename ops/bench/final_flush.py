@@ -40,9 +40,8 @@ def run_arm(arm: str, seed: int, model: str) -> dict:
     from pipeline.engine import Engine
 
     base = quality.bench_model_config() if model == "bench" else quality.default_model_config()
-    cfg = cfgmod.override(base, mode="decoupled", seed=seed, **{
-        "sync.sync_every": 50, **quality.UP_LINKS["int4"], **quality.DOWN_LINKS["int4Δ"],
-        "outer.momentum": 0.7, "inner.lr": 4e-3})
+    cfg = cfgmod.override(quality.frontier_config(base, 50, "int4", "int4Δ"), seed=seed,
+                          **{"outer.momentum": 0.7, "inner.lr": 4e-3})
     eng = Engine(cfg, run_corpus(cfg), wire=codec_sizes())
     flush = eng._final_flush
     out: dict = {"arm": arm, "seed": seed, "model": model}

@@ -74,6 +74,13 @@ FRONTIER = (("int4", "bf16"), ("bf16", "bf16"), ("int4", "int8Δ"), ("int4", "in
             ("int4+EF", "int4Δ"), ("int4+EF", "bf16"))
 
 
+def frontier_config(base: RunConfig, h: int, up: str, down: str) -> RunConfig:
+    """Decoupled at sync interval `h` with up-link codec `up` (`UP_LINKS`) and down link
+    `down` (`DOWN_LINKS`): the run ``"frontier H=<h> <up>/<down>"``."""
+    return cfgmod.override(base, mode="decoupled", **{"sync.sync_every": h, **UP_LINKS[up],
+                                                      **DOWN_LINKS[down]})
+
+
 def variants(base: RunConfig) -> dict[str, RunConfig]:
     """Name → configuration of every run in the quality benchmark."""
     M = base.learners
@@ -183,9 +190,7 @@ def run_quality(base: RunConfig, out: Path, *, only: list[str] | None = None,
         runs = {"ddp": runs["ddp"], **poison_variants(base)}
     for h in frontier or []:
         for up, down in FRONTIER:
-            runs[f"frontier H={h} {up}/{down}"] = cfgmod.override(
-                base, mode="decoupled", **{"sync.sync_every": h, **UP_LINKS[up],
-                                           **DOWN_LINKS[down]})
+            runs[f"frontier H={h} {up}/{down}"] = frontier_config(base, h, up, down)
     if only:
         unknown = [k for k in only if k not in runs]
         if unknown:

@@ -96,7 +96,7 @@ class EntryMeta:
         return Contribution(self.learner, self.fragment, self.base_version, self.step,
                             self.steps, self.tokens, dict(tensors), entry_id=entry_id,
                             nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch,
-                            chain=self.chain)
+                            chain=self.chain, final=self.final)
 
 
 @dataclass(frozen=True)

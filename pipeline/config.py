@@ -31,6 +31,7 @@ MERGES = ("rda", "mean", "trimmed", "robust")
 APPLIES = ("overwrite", "rebase")
 # How much of an outer step a round takes (see FragmentSyncer.round_share).
 ROUND_STEPS = ("share", "full")
+FINAL_STEPS = ("nesterov", "plain")
 GUARD_ACTIONS = ("drop", "clip")
 POISONS = ("norm", "tokens", "signflip")  # the in-process engine's poisoned learner
 
@@ -154,6 +155,13 @@ class SyncConfig:
     # rounds have not seen yet, so the quantisation error of one push goes out with the next
     # instead of being lost (a push that was not merged gives its e back).
     up_feedback: bool = field(default=False, metadata={"added": True})
+    # The outer step of each fragment's last round, the final flush (pipeline/syncer.py
+    # `FragmentSyncer.close`): "nesterov" takes the same step as every other round; "plain"
+    # takes Θ ← Θ − lr·share·Δ without the momentum's look-ahead, which no later round would
+    # correct (the flush's pushes carry only the few steps taken since each last push;
+    # BENCHMARKS.md §1.3 measures both).
+    final_step: str = field(default="nesterov",
+                            metadata={**_rng(choices=FINAL_STEPS), "added": True})
 
     @property
     def delta_h(self) -> int:

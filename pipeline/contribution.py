@@ -119,6 +119,9 @@ class Contribution:
     # the step of the first push of its chain (`Push.chain`); None: an entry of a version
     # before chains, which the syncer takes as one chain with its learner's pushes on its base
     chain: int | None = None
+    # its learner's last push of the fragment (the end-of-run flush): under
+    # sync.final_step = "plain" the round that merges it takes a plain outer step
+    final: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -28,7 +28,14 @@ from pipeline.contribution import poisoned
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.guard import fragment_prior
 from pipeline.learner import LearnerCore, Push
-from pipeline.syncer import Contribution, Drop, FragmentSyncer, RoundRefused, RoundResult
+from pipeline.syncer import (
+    FINAL_FLUSH,
+    Contribution,
+    Drop,
+    FragmentSyncer,
+    RoundRefused,
+    RoundResult,
+)
 from pipeline.task import Data, n_params, task_of
 from pipeline.train import evaluate, make_step
 
@@ -277,7 +284,7 @@ class Engine:
             self._send(lr, push, t_end)
         lr.blocked = lr.core.blocked(lr.step)
 
-    def _send(self, lr: _Learner, push: Push, t_s: float) -> None:
+    def _send(self, lr: _Learner, push: Push, t_s: float, final: bool = False) -> None:
         nbytes = self.wire.push(push, lr.name)
         lr.bytes_sent += nbytes
         eng = self.cfg.engine
@@ -290,7 +297,7 @@ class Engine:
                          push.tokens, dict(push.payload),
                          entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes,
                          seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch,
-                         chain=push.chain)
+                         chain=push.chain, final=final)
         self._pushed[c.entry_id] = (lr.name, push.base_version, push.step)
         self._push_event(arrive, "arrive", c)
 
@@ -420,14 +427,14 @@ class Engine:
                 continue
             lr.params = lr.core.apply_due(10**12, lr.params)
             for push in lr.core.push_all(lr.step, lr.params):
-                self._send(lr, push, self.now)
+                self._send(lr, push, self.now, final=True)
         while self._events:
             ev = heapq.heappop(self._events)
             self.now = max(self.now, ev.time_s)
             if ev.kind == "arrive":
                 self._on_arrive(*ev.data)
         for p in range(len(self.frags)):
-            self._decide(p, force_reason="final flush")
+            self._decide(p, force_reason=FINAL_FLUSH)
         for s in self.syncers:  # refusals no round closed after (the last pushes): counted too
             for _, why in s.take_drops():
                 self.dropped[why.kind.value] = self.dropped.get(why.kind.value, 0) + 1

@@ -53,6 +53,18 @@ def init_state(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray
     return opt.init({k: jnp.asarray(v, jnp.float32) for k, v in theta.items()})
 
 
+def plain_outer_step(cfg: OuterConfig, theta: Mapping[str, np.ndarray],
+                     outer_grad: Mapping[str, np.ndarray], state, u: float = 1.0):
+    """A fraction u ∈ (0, 1] of a plain SGD step, Θ ← Θ − lr·u·g: no momentum look-ahead, and
+    the momentum (`state`) returned as it was. The final flush's rounds take it under
+    ``sync.final_step = "plain"``."""
+    if not 0.0 < u <= 1.0:
+        raise ValueError(f"plain step u={u} outside (0, 1]")
+    step = np.float32(cfg.lr * u)
+    return {k: (np.asarray(theta[k], np.float32) - step * np.asarray(outer_grad[k], np.float32)
+                ).astype(np.float32) for k in theta}, state
+
+
 def partial_outer_step(cfg: OuterConfig, theta: Mapping[str, np.ndarray],
                        outer_grad: Mapping[str, np.ndarray], state, u: float):
     """A fraction u ∈ (0, 1] of one outer step of ``optax.sgd(lr, μ, nesterov)``.

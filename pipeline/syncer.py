@@ -43,8 +43,12 @@ from pipeline.outer import (
     outer_optimizer,
     outer_step,
     partial_outer_step,
+    plain_outer_step,
 )
 from pipeline.policy import Decision, RoundPolicy, RoundView, decide
+
+# the reason of a fragment's last round, closed once every learner's final push is in
+FINAL_FLUSH = "final flush"
 
 
 @dataclass
@@ -371,10 +375,19 @@ class FragmentSyncer:
 
     def close(self, now_s: float, reason: str, share: float = 1.0) -> RoundResult:
         """Merge, take `share` ∈ (0, 1] of an outer step on the merged Δ (see
-        `pipeline.outer.partial_outer_step`), advance the version and open a new round."""
+        `pipeline.outer.partial_outer_step`), advance the version and open a new round.
+        Under ``sync.final_step = "plain"`` a round of the end-of-run flush (one that merges
+        a learner's last push of the fragment, `Contribution.final`, or is closed as
+        `FINAL_FLUSH`) takes a plain step instead: the momentum's look-ahead, which no later
+        round would correct, left out. Replay closes a round again from its entries (their
+        ``final`` flags) and its recorded reason and share, to the same value."""
         r = self._round
         outer_grad = r.merge.result()
-        if share == 1.0:
+        if self.sync_cfg.final_step == "plain" and (
+                reason == FINAL_FLUSH or any(c.final for c in r.contributors.values())):
+            theta, opt_state = plain_outer_step(self.outer_cfg, self.theta, outer_grad,
+                                                self.opt_state, share)
+        elif share == 1.0:
             theta, opt_state = outer_step(self._opt, self.theta, outer_grad, self.opt_state,
                                           self._outer_step)
         else:

@@ -76,6 +76,19 @@ def test_golden_regression(decoupled):
         assert got["param_sums"][k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
 
 
+def test_final_step_plain_changes_only_the_final_flush():
+    """sync.final_step = "plain": the run is the shipped one until its final flush, whose
+    rounds take a plain outer step (the momentum's look-ahead left out), and it ends
+    elsewhere."""
+    s, eng = run(steps=43)  # three steps past the last scheduled push: the flush pushes them
+    plain, peng = run(steps=43, sync__final_step="plain")
+    assert plain["history"][:-1] == s["history"][:-1]
+    assert plain["rounds"] == s["rounds"]
+    assert plain["final_eval_loss"] != s["final_eval_loss"]
+    assert any(not np.array_equal(peng.final_params[k], eng.final_params[k])
+               for k in eng.final_params)
+
+
 def test_ddp_and_sync_diloco_baselines():
     ddp, _ = run(mode="ddp")
     sync, _ = run(mode="sync-diloco")

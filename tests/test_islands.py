@@ -1,5 +1,7 @@
 """Learner islands over several devices in a real run: a 4-device island (forced host devices)
-and a 1-device learner train one run, end with identical parameters, and the run replays."""
+and a 1-device learner train one run, end with identical parameters, and the run replays —
+with the final flush's rounds taking a plain outer step (`sync.final_step = "plain"`: replay
+rebuilds them from the entries' `final` flags)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from workers.common import open_run
 
 def test_islands_of_one_and_four_devices_complete_and_replay(redis_url, tmp_path,
                                                               monkeypatch):
-    cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 60})
+    # 63 steps: three past the last scheduled push, so the final flush pushes every fragment
+    cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 63,
+                            "sync": {**TINY["sync"], "final_step": "plain"}})
     assert store_run_config(redis_url, "islands", cfg)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     base = [sys.executable, "-m"]
@@ -31,7 +35,7 @@ def test_islands_of_one_and_four_devices_complete_and_replay(redis_url, tmp_path
     ctx = open_run(redis_url, "islands", wait_s=0)
     reports = registry.learner_final_reports(ctx.r, ctx.keys)
     assert sorted(reports) == ["L0", "L1"]
-    assert reports["L0"].hashes == reports["L1"].hashes and reports["L1"].steps == 60
+    assert reports["L0"].hashes == reports["L1"].hashes and reports["L1"].steps == 63
     beats = registry.learner_records(ctx.r, ctx.keys)
     assert beats["L1"].devices == 4 and beats["L0"].devices == 1
     assert beats["L1"].max_tokens_per_step == 8 * 32

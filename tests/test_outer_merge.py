@@ -10,6 +10,7 @@ import pickle
 import numpy as np
 import pytest
 
+from pipeline import config as cfgmod
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.merge import (
     NormExceeded,
@@ -626,6 +627,46 @@ def test_round_share_and_full():
     full.offer(contrib("a", 0, 2, [0.5, 0, 0, 0]), 1.0)
     assert full.round_share(4) == 1.0
     assert full.close(2.0, "r1", 1.0).theta[NAME][0] == THETA0[0] - 0.5
+
+
+def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
+    """sync.final_step = "plain": a round that merges a learner's last push (`final`), or is
+    closed as the final flush, takes Θ − lr·share·Δ and leaves the momentum as it was; every
+    other round (and every round under "nesterov") takes the Nesterov step. Both syncers are
+    the same until the flush. The flag travels in the stream entry."""
+    from broker.codec import EntryMeta
+    from pipeline.syncer import FINAL_FLUSH
+
+    outer = OuterConfig(lr=0.7, momentum=0.7)
+    plain = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="plain"))
+    nest = new_syncer(outer=outer)
+    for s in (plain, nest):
+        for i in range(3):  # momentum built by three rounds, the third named like the flush
+            s.offer(contrib("a", i, 2 + i, [0.5, -0.25, 0, 1.0]), 1.0 + i)
+            s.close(1.5 + i, "quorum" if i < 2 else "final flush?", 1.0)
+    np.testing.assert_array_equal(plain.theta[NAME], nest.theta[NAME])
+    theta, trace = plain.theta[NAME].copy(), np.asarray(plain.opt_state[0].trace[NAME]).copy()
+    delta = np.array([0.1, 0.2, -0.3, 0.0], F32)
+    last = dataclasses.replace(contrib("a", 3, 9, delta), final=True)
+    for s in (plain, nest):
+        s.offer(last, 9.0)
+    rp, rn = plain.close(9.5, "quorum", 0.5), nest.close(9.5, "quorum", 0.5)
+    np.testing.assert_allclose(rp.theta[NAME], theta - F32(0.7 * 0.5) * delta, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(plain.opt_state[0].trace[NAME]), trace)
+    # Nesterov: the momentum's look-ahead moves it further (here, by μ·m on top)
+    assert np.abs(rn.theta[NAME] - theta).sum() > np.abs(rp.theta[NAME] - theta).sum() + 0.1
+    # the round closed as the final flush: plain too, whatever its contributions
+    plain.offer(contrib("b", 4, 12, delta), 10.0)
+    theta = plain.theta[NAME].copy()
+    np.testing.assert_allclose(plain.close(10.5, FINAL_FLUSH).theta[NAME], theta - F32(0.7) * delta,
+                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(plain.opt_state[0].trace[NAME]), trace)
+    # the stream entry carries the flag to the contribution the syncer (and replay) merges
+    meta = EntryMeta("a", 0, 3, 9, 2, 100, "fp32", final=True)
+    assert meta.contribution({}).final and not dataclasses.replace(meta, final=False) \
+        .contribution({}).final
+    with pytest.raises(ValueError, match="final_step"):
+        cfgmod.override(cfgmod.RunConfig(), **{"sync.final_step": "adam"})
 
 
 def test_partial_round_decays_momentum_per_unit_of_work():

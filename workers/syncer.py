@@ -43,7 +43,7 @@ from broker.streams import Entry, FragmentStreams, LeaseLost, RoundsLost
 from pipeline import kernels
 from pipeline.fragments import assign, fragment_sizes
 from pipeline.guard import fragment_prior
-from pipeline.syncer import FragmentSyncer, RoundRefused, RoundResult
+from pipeline.syncer import FINAL_FLUSH, FragmentSyncer, RoundRefused, RoundResult
 from workers import native, recovery
 from workers.common import (
     RunContext,
@@ -580,7 +580,7 @@ class Syncer:
             return False
         now = time.monotonic()
         if final_expected is not None and final_expected <= f.final_seen:
-            reason = "final flush"
+            reason = FINAL_FLUSH
         else:
             d = f.core.decide(now, f.core.counted(self.live), self.step_time_s)
             if not d.close:
@@ -639,7 +639,7 @@ class Syncer:
         f.recent.append((record, acks, merged))
         f.snapshots[result.version] = snapshot
         f.snapshots.pop(result.version - self.sync.max_staleness - 1, None)
-        checkpoint = (reason == "final flush" or self._checkpoint_due(f))
+        checkpoint = (reason == FINAL_FLUSH or self._checkpoint_due(f))
         floor = self._sent_floor(f, result.version if checkpoint else f.ckpt_version)
         try:
             self.streams.commit_round(

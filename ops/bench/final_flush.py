@@ -3,33 +3,23 @@
     python -m ops.bench.final_flush --model bench --seeds 0,1,2 --out runs/bench-final-flush
 
 The quality benchmark's candidate (H = 50, int4 up, int4 delta down, inner lr 4e-3, outer
-momentum 0.7) runs twice per seed: as shipped, and with the final flush's rounds taking a
-plain outer SGD step (Θ ← Θ − lr·Δ, no momentum look-ahead). Both record the evaluation loss
-of the global value right before the final flush (identical in the two: the runs are the same
-until then) and after it. The "plain" arm changes the syncers of its own engine only, by
-replacing their ``close`` for the flush; nothing shipped is changed. Each run writes
-``OUT/results.json`` as it finishes (``--jobs 2``: both arms of a seed side by side, each on a
-core of its own with one XLA thread)."""
+momentum 0.7) runs twice per seed: with ``sync.final_step = "nesterov"`` (every round takes
+the Nesterov step) and ``"plain"`` (the final flush's rounds take Θ ← Θ − lr·share·Δ, no
+momentum look-ahead). Both record the evaluation loss of the global value right before the
+final flush (identical in the two: the runs are the same until then) and after it. Each run
+writes ``OUT/results.json`` as it finishes (``--jobs 2``: both arms of a seed side by side,
+each on a core of its own with one XLA thread)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-ARMS = ("shipped", "plain")
-
-
-def _plain_close(syncer, now_s: float, reason: str, share: float = 1.0):
-    """`FragmentSyncer.close` taking `share` < 1, i.e. ``partial_outer_step``, which with the
-    syncer's momentum set to 0 is Θ − lr·share·Δ."""
-    from pipeline.syncer import FragmentSyncer
-    return FragmentSyncer.close(syncer, now_s, reason, min(share, 1.0 - 1e-9))
+ARMS = ("nesterov", "plain")  # sync.final_step
 
 
 def run_arm(arm: str, seed: int, model: str) -> dict:
@@ -41,7 +31,7 @@ def run_arm(arm: str, seed: int, model: str) -> dict:
 
     base = quality.bench_model_config() if model == "bench" else quality.default_model_config()
     cfg = cfgmod.override(quality.frontier_config(base, 50, "int4", "int4Δ"), seed=seed,
-                          **{"outer.momentum": 0.7, "inner.lr": 4e-3})
+                          **{"outer.momentum": 0.7, "inner.lr": 4e-3, "sync.final_step": arm})
     eng = Engine(cfg, run_corpus(cfg), wire=codec_sizes())
     flush = eng._final_flush
     out: dict = {"arm": arm, "seed": seed, "model": model}
@@ -49,10 +39,6 @@ def run_arm(arm: str, seed: int, model: str) -> dict:
     def measured_flush() -> None:
         out["before_flush"] = eng._eval(eng._global(), 0, eng.now)["eval_loss"]
         eng.history.pop()  # not a point of the run's curve
-        if arm == "plain":
-            for s in eng.syncers:
-                s.outer_cfg = dataclasses.replace(s.outer_cfg, momentum=0.0)
-                s.close = functools.partial(_plain_close, s)
         flush()
 
     eng._final_flush = measured_flush

@@ -265,7 +265,7 @@ def _guard_cell(s: dict) -> str:
 # Settings added after runs were kept, at the value that does what the code did before they
 # existed: a run's key leaves them out at that value, so a kept run stays valid when a setting
 # is added, and a run that turns one on gets a new key.
-KEY_NEUTRAL = {("sync", "up_feedback"): False}
+KEY_NEUTRAL = {("sync", "up_feedback"): False, ("sync", "final_step"): "nesterov"}
 
 
 def keyed_dict(cfg: RunConfig) -> dict:

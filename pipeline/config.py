@@ -155,13 +155,15 @@ class SyncConfig:
     # rounds have not seen yet, so the quantisation error of one push goes out with the next
     # instead of being lost (a push that was not merged gives its e back).
     up_feedback: bool = field(default=False, metadata={"added": True})
-    # The outer step of each fragment's last round, the final flush (pipeline/syncer.py
-    # `FragmentSyncer.close`): "nesterov" takes the same step as every other round; "plain"
+    # The outer step of the rounds that merge a learner's last push (the final flush;
+    # pipeline/syncer.py `FragmentSyncer.close`): "plain" (the default since 2026-12-04)
     # takes Θ ← Θ − lr·share·Δ without the momentum's look-ahead, which no later round would
-    # correct (the flush's pushes carry only the few steps taken since each last push;
-    # BENCHMARKS.md §1.3 measures both).
-    final_step: str = field(default="nesterov",
-                            metadata={**_rng(choices=FINAL_STEPS), "added": True})
+    # correct (the flush's pushes carry only the few steps taken since each last push);
+    # "nesterov" steps them like every other round. BENCHMARKS.md §1.3 measures both.
+    # Runs recorded before the field existed took "nesterov" ("before"): stored without it,
+    # they open with it (`from_stored`).
+    final_step: str = field(default="plain", metadata={**_rng(choices=FINAL_STEPS),
+                                                       "added": True, "before": "nesterov"})
 
     @property
     def delta_h(self) -> int:
@@ -259,7 +261,8 @@ class RunConfig:
         """Stable sha256 over the run-defining fields (engine and broker timings excluded).
 
         A field added after runs were recorded (metadata ``added``) counts only when it is not
-        at its default, so the runs recorded before it keep their hash and still open.
+        at the value those runs ran with (its default, or its metadata ``before``), so the runs
+        recorded before it keep their hash and still open.
         """
         d = _drop_added(to_dict(_normalized(self)), self)
         d.pop("engine")
@@ -268,18 +271,46 @@ class RunConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _drop_added(d: dict, cfg: RunConfig) -> dict:
+def _recorded_before(f) -> Any:
+    """The value an added field's runs recorded before it existed ran with: its metadata
+    ``before`` when the default has changed since, else its default."""
+    return f.metadata.get("before", f.default)
+
+
+def _drop_added(d: dict, cfg: RunConfig, *, keep_before: bool = False) -> dict:
     """`d` (to_dict of `cfg`) without the fields added after runs were recorded that are at
-    their defaults, top level and in sections."""
+    the value those runs ran with, top level and in sections. `keep_before`: keep the fields
+    whose default has changed since (metadata ``before``) whatever their value — a file read
+    back with `from_dict` must not take today's default for them."""
+    def drop(f, value) -> bool:
+        return (bool(f.metadata.get("added")) and value == _recorded_before(f)
+                and not (keep_before and "before" in f.metadata))
+
     for f in fields(cfg):
-        if f.metadata.get("added") and getattr(cfg, f.name) == f.default:
+        if drop(f, getattr(cfg, f.name)):
             d.pop(f.name)
     for section in _SECTIONS:
         obj = getattr(cfg, section)
         for f in fields(obj):
-            if f.metadata.get("added") and getattr(obj, f.name) == f.default:
+            if drop(f, getattr(obj, f.name)):
                 d[section].pop(f.name)
     return d
+
+
+def from_stored(data: dict) -> RunConfig:
+    """A run's stored configuration (`dumps_toml`'s layout, parsed): as `from_dict`, except
+    that a field whose default changed after it was added (metadata ``before``) and that the
+    text leaves out — a run recorded before the field existed — takes the value such runs ran
+    with, not today's default (`dumps_toml` always writes those fields)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for f in fields(RunConfig):
+        if "before" in f.metadata:
+            data.setdefault(f.name, f.metadata["before"])
+    for section, cls in _SECTIONS.items():
+        for f in fields(cls):
+            if "before" in f.metadata and f.name not in data.get(section, {}):
+                data.setdefault(section, {})[f.name] = f.metadata["before"]
+    return from_dict(data)
 
 
 def _task_options(value: Any) -> tuple[tuple[str, Any], ...]:
@@ -515,8 +546,10 @@ def override(cfg: RunConfig, **updates: Any) -> RunConfig:
 
 def dumps_toml(cfg: RunConfig) -> str:
     """Serialise to TOML (the subset this configuration uses). A field added after runs were
-    recorded is left out while at its default, so versions before it read the file too."""
-    d = _drop_added(to_dict(cfg), cfg)
+    recorded is left out while at the value those runs ran with, so versions before it read
+    the file too — except one whose default has changed since (metadata ``before``), which is
+    always written."""
+    d = _drop_added(to_dict(cfg), cfg, keep_before=True)
     lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
     for section, table in d.items():
         if isinstance(table, dict):

@@ -243,6 +243,31 @@ def test_dumps_toml_round_trip(make):
     assert back.run_hash() == cfg.run_hash()
 
 
+def test_a_changed_default_keeps_runs_recorded_before_the_field():
+    """sync.final_step was added with "nesterov" (what every run did before it) and now
+    defaults to "plain": a stored run without the field opens as "nesterov" and keeps its
+    hash; a user file without it takes today's default; written files always name it, and
+    both values round-trip."""
+    from pipeline.config import from_stored
+
+    legacy = dumps_toml(RunConfig()).replace('final_step = "plain"\n', "")
+    assert "final_step" not in legacy
+    assert from_stored(tomllib.loads(legacy)).sync.final_step == "nesterov"
+    assert from_dict(tomllib.loads(legacy)).sync.final_step == "plain"
+    nesterov = override(RunConfig(), **{"sync.final_step": "nesterov"})
+    # the hash of a "nesterov" run is the hash runs had before the field (it is left out)
+    assert from_stored(tomllib.loads(legacy)).run_hash() == nesterov.run_hash()
+    assert nesterov.run_hash() != RunConfig().run_hash()
+    for cfg in (RunConfig(), nesterov):
+        text = dumps_toml(cfg)
+        assert f'final_step = "{cfg.sync.final_step}"' in text
+        for read in (from_dict, from_stored):
+            assert read(tomllib.loads(text)) == cfg
+    # a field added at its default still round-trips both ways and is left out while default
+    assert "up_feedback" not in dumps_toml(RunConfig())
+    assert from_stored(tomllib.loads(dumps_toml(RunConfig()))) == RunConfig()
+
+
 def test_engine_config_not_in_hash_but_in_dict():
     d = to_dict(RunConfig(engine=EngineConfig(speeds=(1.0,) * 4)))
     assert d["engine"]["speeds"] == [1.0, 1.0, 1.0, 1.0]

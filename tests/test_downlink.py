@@ -234,14 +234,17 @@ def test_a_kept_run_stays_valid_when_a_setting_is_added_at_its_old_behaviour():
 
     cfg = quality.default_model_config()
     d = cfgmod.to_dict(cfg)
-    assert d["sync"]["up_feedback"] is False
-    # the key a run got before `sync.up_feedback` existed
-    before = {**d, "sync": {k: v for k, v in d["sync"].items() if k != "up_feedback"}}
+    assert d["sync"]["up_feedback"] is False and d["sync"]["final_step"] == "nesterov"
+    # the key a run got before `sync.up_feedback` and `sync.final_step` existed
+    before = {**d, "sync": {k: v for k, v in d["sync"].items()
+                            if k not in ("up_feedback", "final_step")}}
     old_key = hashlib.sha256(json.dumps(before, sort_keys=True,
                                         default=str).encode()).hexdigest()[:16]
     assert quality.config_key(cfg) == old_key
     on = cfgmod.override(cfg, **{"sync.up_feedback": True})
     assert quality.config_key(on) != old_key
+    plain = cfgmod.override(cfg, **{"sync.final_step": "plain"})
+    assert quality.config_key(plain) != old_key
     assert quality.config_key(cfgmod.override(cfg, seed=1)) != old_key
 
 

@@ -77,11 +77,12 @@ def test_golden_regression(decoupled):
 
 
 def test_final_step_plain_changes_only_the_final_flush():
-    """sync.final_step = "plain": the run is the shipped one until its final flush, whose
-    rounds take a plain outer step (the momentum's look-ahead left out), and it ends
-    elsewhere."""
-    s, eng = run(steps=43)  # three steps past the last scheduled push: the flush pushes them
-    plain, peng = run(steps=43, sync__final_step="plain")
+    """sync.final_step = "plain" (the default): the run is the "nesterov" one until its final
+    flush, whose rounds take a plain outer step (the momentum's look-ahead left out), and it
+    ends elsewhere."""
+    # three steps past the last scheduled push: the flush pushes them
+    s, eng = run(steps=43, sync__final_step="nesterov")
+    plain, peng = run(steps=43)
     assert plain["history"][:-1] == s["history"][:-1]
     assert plain["rounds"] == s["rounds"]
     assert plain["final_eval_loss"] != s["final_eval_loss"]

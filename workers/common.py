@@ -188,7 +188,7 @@ def open_run(redis_url: str, run: str, *, expect_hash: str | None = None,
     keys = RunKeys(run)
     probe = connect(redis_url)
     toml_text, run_hash = registry.load_config(probe, keys, wait_s=wait_s)
-    cfg = cfgmod.from_dict(tomllib.loads(toml_text))
+    cfg = cfgmod.from_stored(tomllib.loads(toml_text))
     if verify and cfg.run_hash() != run_hash:
         raise cfgmod.ConfigError(f"stored configuration of run {run!r} does not match its hash")
     if expect_hash is not None:

@@ -27,17 +27,20 @@ QUALITY_APPLY = "overwrite"
 # Likewise the outer momentum: 0.9, the default until 2026-12-04 (second sitting); the
 # default model's table screens 0.7 and others in rows of their own (" om=…")
 QUALITY_MOMENTUM = 0.9
+# Likewise the final flush's step: "nesterov", the only one until 2026-12-04 (fourth sitting);
+# "plain" (shipped since) is measured in rows of its own (`--set 'sync.final_step="plain"'`)
+QUALITY_FINAL_STEP = "nesterov"
 
 
 def bench_model_config() -> RunConfig:
     """The quality benchmark's base: a small byte-level model, M=4, shipped sync defaults
-    but `QUALITY_APPLY`, outer momentum `QUALITY_MOMENTUM`."""
+    but `QUALITY_APPLY`, outer momentum `QUALITY_MOMENTUM`, `QUALITY_FINAL_STEP`."""
     return cfgmod.from_dict({
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64},
         "data": {"max_bytes": 8_000_000, "eval_batches": 16},
         "inner": {"lr": 1e-3, "warmup_steps": 50, "batch_size": 16},
         "outer": {"momentum": QUALITY_MOMENTUM},
-        "sync": {"apply": QUALITY_APPLY},
+        "sync": {"apply": QUALITY_APPLY, "final_step": QUALITY_FINAL_STEP},
         "engine": {"eval_every": 100},
         "learners": 4, "steps": 1500,
     })
@@ -46,11 +49,11 @@ def bench_model_config() -> RunConfig:
 def default_model_config() -> RunConfig:
     """The quality table's base at the model `ModelConfig` defaults to (d_model 128, 4 layers,
     seq 128, batch 16): M=4, 2,000 inner steps per learner, shipped sync defaults but
-    `QUALITY_APPLY`, outer momentum `QUALITY_MOMENTUM`."""
+    `QUALITY_APPLY`, outer momentum `QUALITY_MOMENTUM`, `QUALITY_FINAL_STEP`."""
     return cfgmod.from_dict({
         "data": {"max_bytes": 8_000_000, "eval_batches": 16},
         "outer": {"momentum": QUALITY_MOMENTUM},
-        "sync": {"apply": QUALITY_APPLY},
+        "sync": {"apply": QUALITY_APPLY, "final_step": QUALITY_FINAL_STEP},
         "engine": {"eval_every": 250},
         "learners": 4, "steps": 2000,
     })

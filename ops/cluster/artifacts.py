@@ -64,7 +64,7 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:
     with np.load(path) as z:
         params = {k[len("param/"):]: z[k] for k in z.files if k.startswith("param/")}
-        cfg = cfgmod.from_dict(tomllib.loads(str(z["config_toml"])))
+        cfg = cfgmod.from_stored(tomllib.loads(str(z["config_toml"])))
     return params, cfg
 
 

@@ -639,7 +639,7 @@ def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
 
     outer = OuterConfig(lr=0.7, momentum=0.7)
     plain = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="plain"))
-    nest = new_syncer(outer=outer)
+    nest = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="nesterov"))
     for s in (plain, nest):
         for i in range(3):  # momentum built by three rounds, the third named like the flush
             s.offer(contrib("a", i, 2 + i, [0.5, -0.25, 0, 1.0]), 1.0 + i)

@@ -144,7 +144,10 @@ def test_decoupled_in_the_lab_survives_a_partition(tmp_path):
     t, up = np.array(tr["series_t"]), np.array(tr["series_up"])
     at = rep["faults"][0]["t_rel_s"]
     assert up[(t > at + 1.5) & (t < at + 7)].max() < 1000
-    assert rep["step_rates"]["L1"] > 0.5 * rep["step_rates"]["L0"]
+    # unpaced learners sharing 2 cores: their rates differ by CPU share alone (CI once read
+    # 69 against 169 steps/s); a learner blocked for the 8 s would still keep ~0.7 of the
+    # other's rate, so this only checks that it kept stepping at a comparable rate
+    assert rep["step_rates"]["L1"] > 0.25 * rep["step_rates"]["L0"]
     assert Path(rep["run_dir"], "bytes.png").stat().st_size > 0
     assert leftovers(os.getpid()) == []
 

@@ -85,8 +85,7 @@ def partial_outer_step(cfg: OuterConfig, theta: Mapping[str, np.ndarray],
     mu = float(cfg.momentum)
     f32 = np.float32
     if not mu:
-        return {k: (theta[k] - f32(cfg.lr * u) * outer_grad[k]).astype(f32)
-                for k in theta}, state
+        return plain_outer_step(cfg, theta, outer_grad, state, u)
     trace_state, *rest = state
     decay = mu ** u
     keep = (1.0 - decay) / (1.0 - mu)

@@ -61,6 +61,8 @@ _SCHEMA = MMap(
         # learner's last merged push, least recently merged first
         "merged_pushes": MList(MTuple(MStr(_MAX_LEARNER), M_INT, M_INT, M_INT, M_INT, M_INT,
                                       M_NUM, MScalar("int", "nil")), _MAX_SEEN),
+        # the learners whose last push (`final`) a round merged, first merged first
+        "finished": MList(MStr(_MAX_LEARNER), _MAX_SEEN),
         # the same rows without the chain: a state written before chains
         "merged_last": MList(MTuple(MStr(_MAX_LEARNER), M_INT, M_INT, M_INT, M_INT, M_INT,
                                     M_NUM), _MAX_SEEN),
@@ -159,7 +161,8 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
     ``norms`` (a list of floats) and ``merged_pushes`` (a list of ``[learner, epoch,
     base_version, step, steps, tokens, seconds, chain]``, chain an int or None; a state
     written before chains holds ``merged_last``, the same rows without the chain, which come
-    back as ``merged_pushes`` with chain None). Arrays are writable copies.
+    back as ``merged_pushes`` with chain None), and ``finished`` (a list of learner names).
+    Arrays are writable copies.
 
     Args:
         blob: The document.
@@ -215,6 +218,9 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
             for learner, *row, secs, chain in rows]
         if not all(row[0] for row in merged):
             raise DecodeError("state: merged_pushes holds an empty learner name")
+    finished = doc.get("finished")
+    if finished is not None and not all(finished):
+        raise DecodeError("state: finished holds an empty learner name")
     # every check passed: build the arrays
     out["theta"] = _build_tensors(theta, want)
     out["momentum"] = []
@@ -229,4 +235,6 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
         out["norms"] = norms
     if merged is not None:
         out["merged_pushes"] = merged
+    if finished is not None:
+        out["finished"] = list(finished)
     return out

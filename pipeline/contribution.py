@@ -66,6 +66,7 @@ class Drop(StrEnum):
     NORM = "norm"                  # its norm per step is far above the recent median
     ROUND = "round"                # merged into a round whose value would not be finite
     SUPERSEDED = "superseded"      # a later push of its learner, holding its progress, merged
+    FINISHED = "finished"          # its learner's last push of the fragment (`final`) is merged
     OTHER = "other"                # a reason text this version does not know
 
 
@@ -75,7 +76,7 @@ _DROP_TEXT = (  # how each kind's text begins: reads reasons recorded as text (r
     (Drop.AHEAD, "base version ", " is ahead of"), (Drop.EMPTY, "empty contribution"),
     (Drop.SHAPE, "tensors do not match"), (Drop.NON_FINITE, "non-finite"),
     (Drop.MALFORMED, "malformed"), (Drop.TOKENS, "tokens "), (Drop.NORM, "norm "),
-    (Drop.ROUND, "round "), (Drop.SUPERSEDED, "superseded"))
+    (Drop.ROUND, "round "), (Drop.SUPERSEDED, "superseded"), (Drop.FINISHED, "finished"))
 
 
 class Reason(str):

@@ -186,6 +186,10 @@ class FragmentSyncer:
         # learner → its last push merged here, least recently merged first: a later push of
         # its chain repeats it
         self.last_merged: OrderedDict[str, MergedPush] = OrderedDict()
+        # learners whose last push of the fragment (`Contribution.final`) a round merged, first
+        # merged first: a later push of theirs is refused, so that a learner flags at most one
+        # merged push `final` (one plain round under sync.final_step = "plain")
+        self.finished: dict[str, None] = {}
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
         self.sync_time_s = 0.0  # EMA of merge+publish time, feeds the grace window
@@ -266,6 +270,9 @@ class FragmentSyncer:
                 token_bound(c.steps, max_tokens_per_step) or c.tokens):
             reason = Reason(Drop.TOKENS, f"tokens {c.tokens} exceed {c.steps} steps × "
                             f"{max_tokens_per_step} tokens per step")
+        if c.learner in self.finished:
+            reason = Reason(Drop.FINISHED, "finished: its learner's last push of the fragment "
+                            "(final) is merged")
         self.seen.add(c.key)
         self._round.keys.add(c.key)
         if reason:
@@ -428,6 +435,9 @@ class FragmentSyncer:
         # merged push whose own base is long stale)
         while len(self.last_merged) > MAX_MERGED_KEPT:
             self.last_merged.popitem(last=False)
+        self.finished.update((c.learner, None) for c in r.contributors.values() if c.final)
+        while len(self.finished) > MAX_MERGED_KEPT:
+            del self.finished[next(iter(self.finished))]
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
             sent_hash=self.sent_hash, included=r.included, dropped=r.dropped,
@@ -468,6 +478,7 @@ class FragmentSyncer:
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
             "merged_pushes": [[n, *m] for n, m in self.last_merged.items()],
+            "finished": list(self.finished),
         }
 
     @classmethod
@@ -492,6 +503,7 @@ class FragmentSyncer:
             (str(n), MergedPush(int(e), int(b), int(st), int(k), int(t), float(x),
                                 None if chain is None else int(chain)))
             for n, e, b, st, k, t, x, chain in d.get("merged_pushes", ())[-MAX_MERGED_KEPT:])
+        s.finished = dict.fromkeys(str(n) for n in d.get("finished", ())[-MAX_MERGED_KEPT:])
         if s.guard is not None:
             s.guard.recent.extend(float(x) for x in d.get("norms", ()))
         return s

@@ -175,7 +175,8 @@ def _state() -> dict:
                         "7": dict(theta)},
             "seen": [["L0", 6, 10], ["L1", 7, 3]], "sync_time_s": 0.25, "norms": [1.0, 2.5],
             "merged_pushes": [["L0", 2, 6, 10, 10, 1280, 1.5, 4], ["L1", 1, 7, 3, 3, 384, 0.5,
-                                                                  None]]}
+                                                                  None]],
+            "finished": ["L1"]}
 
 
 STATE = pack_state(_state())
@@ -334,9 +335,9 @@ def ref_tensors(x: Any, want: dict | None) -> dict | None:
 
 def ref_state(doc: Any, shapes: dict | None = None) -> bool:
     """A syncer state: fragment, version, theta, momentum, seen, sync_time_s; history, norms,
-    merged_pushes and merged_last (the older form of merged_pushes) optional."""
+    merged_pushes, merged_last (the older form of merged_pushes) and finished optional."""
     required = {"fragment", "version", "theta", "momentum", "seen", "sync_time_s"}
-    optional = {"history", "norms", "merged_pushes", "merged_last"}
+    optional = {"history", "norms", "merged_pushes", "merged_last", "finished"}
     if not (type(doc) is dict and required <= doc.keys() <= required | optional):
         return False
     if not (_int(doc["fragment"], 0, 9999) and _int(doc["version"])):
@@ -374,6 +375,9 @@ def ref_state(doc: Any, shapes: dict | None = None) -> bool:
             and all(_int(x) for x in m[1:6]) and _num(m[6]) and m[6] >= 0
             and (m[7] is None or _int(m[7]))
             for m in doc["merged_pushes"])):
+        return False
+    if "finished" in doc and not (type(doc["finished"]) is list and all(
+            _str(n, 1024, 1) for n in doc["finished"])):
         return False
     if "history" in doc:
         h = doc["history"]

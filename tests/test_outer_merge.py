@@ -669,6 +669,41 @@ def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
         cfgmod.override(cfgmod.RunConfig(), **{"sync.final_step": "adam"})
 
 
+def test_a_learner_flags_at_most_one_merged_push_final():
+    """A learner's last push of a fragment (`final`) ends its part in it: once a round merged
+    it, a later push of that learner is refused as `finished` (recorded, its Δ not merged, the
+    rounds take their usual step), so a learner flagging every push `final` gets one plain
+    round, not every round it is in. The syncer state keeps the set."""
+    from broker.state import pack_state, unpack_state
+    from pipeline.contribution import Drop, Reason
+
+    outer = OuterConfig(lr=0.7, momentum=0.7)
+    s = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="plain"))
+    delta = [0.5, -0.25, 0.0, 1.0]
+    s.offer(dataclasses.replace(contrib("a", 0, 2, delta), final=True), 1.0)
+    s.offer(contrib("b", 0, 2, delta), 1.0)
+    trace = np.asarray(s.opt_state[0].trace[NAME]).copy()
+    s.close(1.5, "quorum")
+    np.testing.assert_array_equal(np.asarray(s.opt_state[0].trace[NAME]), trace)  # plain
+    assert list(s.finished) == ["a"]
+    back = FragmentSyncer.from_state_dict(unpack_state(pack_state(s.state_dict())), outer,
+                                          s.sync_cfg, is_embedding)
+    assert back.finished == s.finished
+    for syncer in (s, back):
+        ok, why = syncer.offer(dataclasses.replace(contrib("a", 1, 4, delta), final=True), 2.0)
+        assert not ok and why.kind is Drop.FINISHED and Reason.of(str(why)).kind is Drop.FINISHED
+        assert syncer.offer(contrib("b", 1, 4, delta), 2.0) == (True, "accepted")
+        r = syncer.close(2.5, "quorum")
+        assert [c[1] for c in r.included] == ["b"] and r.dropped[0][0] == "a-1-4"
+        # the round merged no final push: a Nesterov step, which moves the momentum
+        assert not np.array_equal(np.asarray(syncer.opt_state[0].trace[NAME]), trace)
+    np.testing.assert_array_equal(s.theta[NAME], back.theta[NAME])
+    # a final push the round refused does not end the learner's part (it was not merged)
+    t = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="plain"))
+    ok, _ = t.offer(dataclasses.replace(contrib("c", 0, 2, [math.nan] * 4), final=True), 1.0)
+    assert not ok and t.finished == {}
+
+
 def test_partial_round_decays_momentum_per_unit_of_work():
     """Four quarter rounds on the same Δ move Θ about as far as one full round and leave about
     the same momentum; the old rule (scaled gradient, full decay per round) left 40% of it.

@@ -75,7 +75,9 @@ def test_lenient_decoding_keeps_what_it_can():
     ("empty contribution (steps 0, tokens 0)", Drop.EMPTY),
     ("tensors do not match the fragment's names and shapes", Drop.SHAPE),
     ("non-finite values in the contribution", Drop.NON_FINITE),
-    ("malformed tensors: bad scales", Drop.MALFORMED), ("something new", Drop.OTHER),
+    ("malformed tensors: bad scales", Drop.MALFORMED),
+    ("finished: its learner's last push of the fragment (final) is merged", Drop.FINISHED),
+    ("something new", Drop.OTHER),
 ])
 def test_recorded_reason_texts_read_back_into_their_kind(text, kind):
     reason = Reason.of(text)

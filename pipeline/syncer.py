@@ -186,9 +186,10 @@ class FragmentSyncer:
         # learner → its last push merged here, least recently merged first: a later push of
         # its chain repeats it
         self.last_merged: OrderedDict[str, MergedPush] = OrderedDict()
-        # learners whose last push of the fragment (`Contribution.final`) a round merged, first
-        # merged first: a later push of theirs is refused, so that a learner flags at most one
-        # merged push `final` (one plain round under sync.final_step = "plain")
+        # under sync.final_step = "plain", the learners whose last push of the fragment
+        # (`Contribution.final`) a round merged, first merged first: a later push of theirs
+        # is refused, so that a learner gets at most one plain round (under "nesterov" the
+        # flag changes no step; runs recorded before the set replay as "nesterov")
         self.finished: dict[str, None] = {}
         self.policy = RoundPolicy(sync_cfg.quorum, sync_cfg.grace_gamma, sync_cfg.grace_max_s,
                                   sync_cfg.overlap_steps, sync_cfg.elastic_quorum)
@@ -435,7 +436,8 @@ class FragmentSyncer:
         # merged push whose own base is long stale)
         while len(self.last_merged) > MAX_MERGED_KEPT:
             self.last_merged.popitem(last=False)
-        self.finished.update((c.learner, None) for c in r.contributors.values() if c.final)
+        if self.sync_cfg.final_step == "plain":
+            self.finished.update((c.learner, None) for c in r.contributors.values() if c.final)
         while len(self.finished) > MAX_MERGED_KEPT:
             del self.finished[next(iter(self.finished))]
         result = RoundResult(

@@ -792,6 +792,8 @@ def test_state_schema_examples():
         {**base, "history": {"x": base["history"]["6"]}},
         {**base, "history": {"6": {"a": base["history"]["6"]["a"]}}},
         {**base, "history": {"6": {**base["history"]["6"], "zz": nd}}},
+        {**base, "finished": [""]}, {**base, "finished": [b"L1"]}, {**base, "finished": [1]},
+        {**base, "finished": "L1"}, {**base, "finished": ["L" * 1025]},
         {**base, "extra": 1}, {k: v for k, v in base.items() if k != "seen"}, [base], 5,
     ]
     for doc in bad:

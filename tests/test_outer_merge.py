@@ -23,7 +23,7 @@ from pipeline.merge import (
 )
 from pipeline.model import is_embedding
 from pipeline.outer import init_state, outer_optimizer, outer_step
-from pipeline.syncer import Contribution, FragmentSyncer
+from pipeline.syncer import Contribution, FragmentSyncer, RoundRefused
 
 F32 = np.float32
 
@@ -698,10 +698,22 @@ def test_a_learner_flags_at_most_one_merged_push_final():
         # the round merged no final push: a Nesterov step, which moves the momentum
         assert not np.array_equal(np.asarray(syncer.opt_state[0].trace[NAME]), trace)
     np.testing.assert_array_equal(s.theta[NAME], back.theta[NAME])
-    # a final push the round refused does not end the learner's part (it was not merged)
-    t = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="plain"))
+    # a final push refused (here: non-finite), or in a round whose value would not be
+    # finite, does not end the learner's part: it was not merged
+    t = new_syncer(outer=OuterConfig(lr=4.0, momentum=0.7),
+                   sync=dataclasses.replace(SYNC, final_step="plain"))
     ok, _ = t.offer(dataclasses.replace(contrib("c", 0, 2, [math.nan] * 4), final=True), 1.0)
     assert not ok and t.finished == {}
+    assert t.offer(dataclasses.replace(contrib("c", 0, 3, [3e38] * 4), final=True), 1.0)[0]
+    with np.errstate(over="ignore"), pytest.raises(RoundRefused):  # Θ − 4·3e38: inf in fp32
+        t.close(1.5, "quorum")
+    assert t.finished == {} and t.offer(contrib("c", 0, 4, delta), 2.0) == (True, "accepted")
+    # under "nesterov" the flag changes no step and ends nothing (runs recorded before the
+    # set open as "nesterov", so they replay as recorded)
+    n = new_syncer(outer=outer, sync=dataclasses.replace(SYNC, final_step="nesterov"))
+    n.offer(dataclasses.replace(contrib("a", 0, 2, delta), final=True), 1.0)
+    n.close(1.5, "quorum")
+    assert n.finished == {} and n.offer(contrib("a", 1, 4, delta), 2.0) == (True, "accepted")
 
 
 def test_partial_round_decays_momentum_per_unit_of_work():

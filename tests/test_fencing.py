@@ -24,6 +24,7 @@ from helpers_broker import (
 from broker import registry
 from broker.connection import connect
 from broker.errors import Superseded
+from broker.records import read_rounds
 from workers.island import Island, IslandConfig
 
 
@@ -240,3 +241,45 @@ def test_a_counter_that_is_not_a_number_leaves_the_learner_unfenced(redis_url, c
         assert registry.claim_epoch(r, keys, name) == 0
     assert "cannot claim an epoch" in caplog.text
     assert registry.newer_epoch(r, keys, "L0", 3) is None
+
+
+def test_a_restart_whose_final_pushes_were_merged_is_refused_as_finished(tmp_path, redis_url,
+                                                                          monkeypatch):
+    """A process whose final pushes were merged dies before recording them; its restart
+    resumes from an older checkpoint, trains the last steps again and flushes. Under the plain
+    final step (the default) the syncer refuses those pushes as `finished` — their progress was
+    merged once — and the restarted process still ends the run on the final value."""
+    r = connect(redis_url)
+    keys = store_run(r, "fence4", tiny_config(learners=1, steps=20, sync={"quorum": 1}))
+    icfg = IslandConfig(redis_url, "fence4", "L0", final_timeout_s=60.0,
+                        state_dir=str(tmp_path / "state"), checkpoint_every=15)
+    with _syncer(tmp_path, redis_url, "fence4") as (syncer, islands):
+        a = Island(icfg)
+        islands.append(a)
+        pa, _ = a.start()
+        while not a.done:
+            pa = _step(a, pa)
+
+        def killed(*args, **kwargs):
+            raise RuntimeError("killed before recording its final pushes")
+
+        monkeypatch.setattr(registry, "mark_final_pushes", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            a.finish(pa)
+        monkeypatch.undo()
+        n = len(a.ctx.fragments)
+        assert poll_until(lambda: all(
+            (m := registry.merged(r, keys, "L0", p)) is not None and m.step == 20
+            for p in range(n)), 30)
+        a.close()
+        b = Island(icfg)
+        islands.append(b)
+        pb, _ = b.start()
+        assert b.step == 15  # from the checkpoint: steps 16–20 are trained again
+        _finish(b, pb, syncer)
+        reasons = [registry.refusal(r, keys, "L0", p) for p in range(n)]
+        assert any(x is not None and x.reason.startswith("finished") for x in reasons), reasons
+        final = registry.learner_final_reports(r, keys)["L0"]
+        assert final.steps == 20 and len(final.hashes) == n
+        for p in range(n):  # every step merged once per fragment (without the refusal: 25)
+            assert sum(rec.steps for rec in read_rounds(r, keys.fragment(p))) == 20

@@ -182,3 +182,38 @@ def test_the_plans_default_momentum_is_the_quality_bases():
     assert MOMENTUM_DEFAULT == quality.QUALITY_MOMENTUM == 0.9
     assert quality.default_model_config().outer.momentum == MOMENTUM_DEFAULT
     assert quality.bench_model_config().outer.momentum == MOMENTUM_DEFAULT
+
+
+def test_the_longer_plan_runs_the_seeds_then_brackets_both_rates_again():
+    """At another run length (`--steps`): the three seeds of both at their 2,000-step rates,
+    then each one's two neighbouring rates on seed 0 (extended until bracketed), then seeds 1
+    and 2 of a best that moved; the candidate runs with the shipped plain final step."""
+    from ops.bench.quality_default import plan_long
+    cand = with_outer(CAND, 0.7, 0.7)
+    assert plan_long({}) == [(DDP, 8e-3, 0), (cand, 4e-3, 0), (DDP, 8e-3, 1), (cand, 4e-3, 1),
+                             (DDP, 8e-3, 2), (cand, 4e-3, 2), (DDP, 1.2e-2, 0),
+                             (cand, 8e-3, 0), (DDP, 6e-3, 0), (cand, 2e-3, 0)]
+    done = _done({(v, lr, s): 0.8 for v, lr in ((DDP, 8e-3), (cand, 4e-3)) for s in (0, 1, 2)})
+    # data parallel is better at 6e-3, the lower end: 4e-3 next; the candidate's 4e-3 holds
+    done.update(_done({(DDP, 1.2e-2, 0): 0.9, (DDP, 6e-3, 0): 0.79, (cand, 8e-3, 0): 0.85,
+                       (cand, 2e-3, 0): 0.82}))
+    assert plan_long(done) == [(DDP, 4e-3, 0)]
+    done[name((DDP, 4e-3, 0))] = 0.795
+    assert plan_long(done) == [(DDP, 6e-3, 1), (DDP, 6e-3, 2)]
+    done.update(_done({(DDP, 6e-3, 1): 0.8, (DDP, 6e-3, 2): 0.8}))
+    assert plan_long(done) == []
+    cmd = command((cand, 4e-3, 1), Path("out"), 6000)
+    assert cmd[cmd.index("--steps") + 1] == "6000"
+    assert cmd[cmd.index("--set") + 1] == 'sync.final_step="plain"'
+    assert cmd[cmd.index("--outer-momenta") + 1] == "0.7"
+    ddp = command((DDP, 8e-3, 0), Path("out"), 6000)
+    assert "--set" not in ddp and ddp[ddp.index("--steps") + 1] == "6000"
+    assert "--steps" not in command((DDP, 8e-3, 0), Path("out"))  # the 2,000-step table's
+
+
+def test_the_longer_plans_dry_run_names_its_own_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--steps", "6000", "--dry-run"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert out[:2] == ["ddp lr=0.008 seed=0", "frontier H=50 int4/int4Δ om=0.7 lr=0.004 seed=0"]
+    assert (tmp_path / "runs/bench-quality-default-6000").is_dir()

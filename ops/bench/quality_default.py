@@ -1,6 +1,6 @@
 """The quality table at the default model (BENCHMARKS.md §1.3), resumable over sittings.
 
-    python -m ops.bench.quality_default [--out OUT] [--jobs 2] [--dry-run]
+    python -m ops.bench.quality_default [--out OUT] [--steps N] [--jobs 2] [--dry-run]
 
 Every run is one ``diloco bench quality --model default`` run (~46 CPU-minutes on the 2-core
 development VM) that writes its result when it ends; finished runs are read from
@@ -27,6 +27,17 @@ What runs, the most wanted first (`plan`):
 4. The shipped setting (H = 100 int4 / bf16, `sync.apply = "rebase"`) and H = 100 with an
    int4 delta down link, three seeds each, at the candidate's inner lr, outer lr and outer
    momentum.
+
+**Longer runs** (``--steps N``, N ≠ 2,000; OUT defaults to ``runs/bench-quality-default-N``;
+`plan_long`): the gap to data parallel falls with run length (BENCHMARKS.md §1.3), so the
+criterion is measured again at N steps from the rates chosen at 2,000 (`LONG_START`): data
+parallel at 8e-3 and the candidate at inner lr 4e-3, outer momentum 0.7, with the shipped
+plain final step (``sync.final_step = "plain"``; data parallel has no outer step). First the
+three seeds of both; then, on seed 0, each one's neighbouring rates (data parallel: 6e-3 and
+1.2e-2, on the ladder of `GRID` and `FINE` together; the candidate: 2e-3 and 8e-3 on `GRID`),
+extended by the rule of 1 until each best is bracketed; then seeds 1 and 2 of a best that
+moved. Both get the same two neighbours, and each sweep runs until its best is bracketed, so
+data parallel's budget is never below ours.
 
 ``--jobs 2`` keeps two runs going, each pinned to a core of its own with one XLA thread (the
 jitted step uses one core better than two: BENCHMARKS.md §8), each in ``OUT/jobs/coreN``; a
@@ -72,6 +83,11 @@ MOMENTUM_GRID = (0.0, 0.3, 0.5, 0.7, 0.9)
 # first, as the candidate's screens after its inner sweep ran (the same tuning budget)
 FINE = (3e-4, 6e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2)
 SEEDS = (0, 1, 2)
+STEPS = 2000  # the plan's run length; other lengths run `plan_long`
+# the longer plan's starting points: each one's best at 2,000 steps (BENCHMARKS.md §1.3), each
+# with the ladder its neighbouring rates are taken from
+LONG_START = ((DDP, 8e-3, tuple(sorted((*GRID, *FINE)))),
+              (CAND + " om=0.7", 4e-3, GRID))
 
 # variant (with " om=<outer momentum>", " olr=<outer lr>" where not the default), inner lr, seed
 Run = tuple[str, float, int]
@@ -208,6 +224,25 @@ def plan(done: dict[str, float]) -> list[Run]:
     return [r for r in wanted if name(r) not in done]
 
 
+def plan_long(done: dict[str, float]) -> list[Run]:
+    """The longer plan's runs still wanted that can start now, the most wanted first: the
+    three seeds at `LONG_START`, then seed 0 of each one's neighbouring rates until its best
+    is bracketed, then seeds 1 and 2 of a best that moved."""
+    wanted = [(v, lr, seed) for seed in SEEDS for v, lr, _ in LONG_START]
+    sweeps = []
+    for variant, lr0, ladder in LONG_START:
+        i = ladder.index(lr0)
+        start = (lr0, *ladder[i + 1:i + 2], *ladder[max(i - 1, 0):i])
+        todo, best, _ = _bracket(done, lambda r, v=variant: name((v, r, 0)), start, ladder)
+        sweeps.append(([(variant, r, 0) for r in todo], variant, best, lr0))
+    for i in range(max(len(t) for t, *_ in sweeps)):
+        wanted += [t[i] for t, *_ in sweeps if i < len(t)]
+    for seed in SEEDS[1:]:
+        wanted += [(v, best, seed) for _, v, best, lr0 in sweeps
+                   if best is not None and best != lr0]
+    return [r for r in dict.fromkeys(wanted) if name(r) not in done]
+
+
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -227,22 +262,36 @@ def merge(out: Path, *dirs: Path) -> dict:
     return results
 
 
-def command(run: Run, out: Path) -> list[str]:
+def command(run: Run, out: Path, steps: int = STEPS) -> list[str]:
+    """The run's `diloco bench quality` command; at another length than `STEPS` with the
+    shipped plain final step (the 2,000-step table's runs keep the Nesterov one they were
+    measured with: ops.bench.quality.QUALITY_FINAL_STEP)."""
     variant, lr, seed = run
     base, _, olr = variant.partition(" olr=")
     base, _, om = base.partition(" om=")
+    longer = [] if steps == STEPS else ["--steps", str(steps), *(
+        [] if base == DDP else ["--set", 'sync.final_step="plain"'])]
     return [sys.executable, "-m", "ops.cli", "bench", "quality", "--model", "default",
             "--out", str(out), *ARGS[base], *(["--outer-momenta", om] if om else []),
-            *(["--outer-lrs", olr] if olr else []), "--lrs", f"{lr:g}", "--seeds", str(seed)]
+            *(["--outer-lrs", olr] if olr else []), "--lrs", f"{lr:g}", "--seeds", str(seed),
+            *longer]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ops.bench.quality_default",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("runs/bench-quality-default"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: runs/bench-quality-default (-N with --steps N)")
+    ap.add_argument("--steps", type=int, default=STEPS,
+                    help=f"inner steps per learner (not {STEPS}: the longer plan)")
     ap.add_argument("--jobs", type=int, choices=(1, 2), default=1)
     ap.add_argument("--dry-run", action="store_true", help="print the runs wanted now")
     a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error("--steps must be at least 1")
+    if a.out is None:
+        a.out = Path("runs/bench-quality-default" + ("" if a.steps == STEPS else f"-{a.steps}"))
+    planner = plan if a.steps == STEPS else plan_long
     if a.jobs == 2 and (os.cpu_count() or 1) < 2:
         ap.error("--jobs 2 needs two cores")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     # a sitting cut while one run of a pair had finished: keep that run
     merge(a.out, *sorted(jobs.glob("*")) if jobs.is_dir() else [])
     if a.dry_run:
-        for r in plan(losses(_read(a.out / "results.json"))):
+        for r in planner(losses(_read(a.out / "results.json"))):
             print(name(r))
         return 0
     # one planner per OUT: a second would start the same runs again in the same job folders
@@ -265,18 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         results = merge(a.out, *(d for _, _, d in running.values()))
         busy = {r for _, r, _ in running.values()}
-        todo = [r for r in plan(losses(results)) if r not in busy] if not failed else []
+        todo = [r for r in planner(losses(results)) if r not in busy] if not failed else []
         for core in range(a.jobs):
             if core in running or not todo:
                 continue
             run = todo.pop(0)
             if a.jobs == 1:
-                d, cmd, env = a.out, command(run, a.out), None
+                d, cmd, env = a.out, command(run, a.out, a.steps), None
             else:
                 d = jobs / f"core{core}"
                 d.mkdir(parents=True, exist_ok=True)
                 (d / "results.json").write_text(json.dumps(results))
-                cmd = ["taskset", "-c", str(core), *command(run, d)]
+                cmd = ["taskset", "-c", str(core), *command(run, d, a.steps)]
                 env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + (
                     " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"))}
             print(f"{time.strftime('%H:%M:%S')} start {name(run)}"
@@ -302,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         print("failed: " + "; ".join(failed), file=sys.stderr)
         return 1
     return subprocess.call([sys.executable, "-m", "ops.cli", "bench", "quality", "--model",
-                            "default", "--report", "--out", str(a.out)])
+                            "default", "--report", "--out", str(a.out),
+                            *([] if a.steps == STEPS else ["--steps", str(a.steps)])])
 
 
 if __name__ == "__main__":

@@ -467,7 +467,7 @@ class FragmentSyncer:
     def state_dict(self) -> dict:
         """Plain data (numpy arrays, ints, lists) for the crash-safe commit."""
         leaves = jax.tree_util.tree_leaves(self.opt_state)
-        return {
+        state = {
             "fragment": self.fragment,
             "version": self.version,
             "theta": self.theta,
@@ -480,8 +480,10 @@ class FragmentSyncer:
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
             "merged_pushes": [[n, *m] for n, m in self.last_merged.items()],
-            "finished": list(self.finished),
         }
+        if self.finished:  # only then: a syncer of an earlier version reads the rest
+            state["finished"] = list(self.finished)
+        return state
 
     @classmethod
     def from_state_dict(cls, d: dict, outer_cfg: OuterConfig, sync_cfg: SyncConfig,

@@ -686,6 +686,7 @@ def test_a_learner_flags_at_most_one_merged_push_final():
     s.close(1.5, "quorum")
     np.testing.assert_array_equal(np.asarray(s.opt_state[0].trace[NAME]), trace)  # plain
     assert list(s.finished) == ["a"]
+    assert "finished" not in new_syncer().state_dict()  # an earlier version reads the state
     back = FragmentSyncer.from_state_dict(unpack_state(pack_state(s.state_dict())), outer,
                                           s.sync_cfg, is_embedding)
     assert back.finished == s.finished

@@ -438,8 +438,8 @@ class FragmentSyncer:
             self.last_merged.popitem(last=False)
         if self.sync_cfg.final_step == "plain":
             self.finished.update((c.learner, None) for c in r.contributors.values() if c.final)
-        while len(self.finished) > MAX_MERGED_KEPT:
-            del self.finished[next(iter(self.finished))]
+            while len(self.finished) > MAX_MERGED_KEPT:
+                del self.finished[next(iter(self.finished))]
         result = RoundResult(
             fragment=self.fragment, version=self.version, theta=self.theta, sent=self.sent,
             sent_hash=self.sent_hash, included=r.included, dropped=r.dropped,

@@ -57,10 +57,24 @@ def _step(island, params):  # a fake inner step: every value moves by −1e-3
     return island.after_step({k: v - 1e-3 for k, v in params.items()})
 
 
-def _finish(island, params, syncer) -> None:
-    """Train `island` to the end, flush, and see the syncer end the run."""
+def _join(icfg, islands):
+    """A new process joining as `icfg`'s learner (closed with `islands`): (island, params)."""
+    island = Island(icfg)
+    islands.append(island)
+    params, _ = island.start()
+    return island, params
+
+
+def _train(island, params):
+    """Step `island` to the run's end (fake steps); its last parameters."""
     while not island.done:
         params = _step(island, params)
+    return params
+
+
+def _finish(island, params, syncer) -> None:
+    """Train `island` to the end, flush, and see the syncer end the run."""
+    params = _train(island, params)
     island.finish(params)
     island.close()
     assert syncer.wait(timeout=60) == 0
@@ -145,14 +159,9 @@ def test_a_learner_superseded_in_its_final_flush_writes_no_end_of_run_record(tmp
     keys = store_run(r, "fence3", tiny_config(learners=1, steps=12, sync={"quorum": 1}))
     icfg = IslandConfig(redis_url, "fence3", "L0", final_timeout_s=60.0)
     with _syncer(tmp_path, redis_url, "fence3") as (syncer, islands):
-        a = Island(icfg)
-        islands.append(a)
-        pa, _ = a.start()
-        while not a.done:
-            pa = _step(a, pa)
-        b = Island(icfg)
-        islands.append(b)
-        pb, _ = b.start()  # a newer process joins while the older one is about to flush
+        a, pa = _join(icfg, islands)
+        pa = _train(a, pa)
+        b, pb = _join(icfg, islands)  # a newer process joins while the older one is about to flush
         t0 = time.monotonic()
         with pytest.raises(Superseded):
             a.finish(pa)
@@ -254,11 +263,8 @@ def test_a_restart_whose_final_pushes_were_merged_is_refused_as_finished(tmp_pat
     icfg = IslandConfig(redis_url, "fence4", "L0", final_timeout_s=60.0,
                         state_dir=str(tmp_path / "state"), checkpoint_every=15)
     with _syncer(tmp_path, redis_url, "fence4") as (syncer, islands):
-        a = Island(icfg)
-        islands.append(a)
-        pa, _ = a.start()
-        while not a.done:
-            pa = _step(a, pa)
+        a, pa = _join(icfg, islands)
+        pa = _train(a, pa)
 
         def killed(*args, **kwargs):
             raise RuntimeError("killed before recording its final pushes")
@@ -272,9 +278,7 @@ def test_a_restart_whose_final_pushes_were_merged_is_refused_as_finished(tmp_pat
             (m := registry.merged(r, keys, "L0", p)) is not None and m.step == 20
             for p in range(n)), 30)
         a.close()
-        b = Island(icfg)
-        islands.append(b)
-        pb, _ = b.start()
+        b, pb = _join(icfg, islands)
         assert b.step == 15  # from the checkpoint: steps 16–20 are trained again
         _finish(b, pb, syncer)
         reasons = [registry.refusal(r, keys, "L0", p) for p in range(n)]

@@ -309,7 +309,8 @@ def quality_markdown(results: dict[str, dict], base: RunConfig,
         f"Machine: {platform.machine()}, {platform.python_implementation()} "
         f"{platform.python_version()}; model d_model {base.model.d_model}, {base.model.n_layers} "
         f"layers, seq {base.model.seq_len}, batch {base.inner.batch_size}; M={base.learners}, "
-        f"{base.steps} inner steps per learner; H={base.sync.sync_every}, P={base.sync.fragments}, "
+        f"{base.steps} inner steps per learner; base sync settings (a frontier run's name sets its "
+        f"own H and codecs): H={base.sync.sync_every}, P={base.sync.fragments}, "
         f"τ={base.sync.overlap_steps}, K={base.sync.quorum}.",
         "",
         "| run | final eval loss | gap to ddp | next-byte accuracy | bytes/token vs fp32 ring "

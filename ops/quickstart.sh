@@ -11,8 +11,10 @@ need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v python3 >/dev/null || need_apt+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
-# the syncer's merge kernels are C, built on first use (without a compiler: numpy, slower)
+# the syncer's merge kernels are C and the learners' attention kernel C++, built on first use
+# (without a compiler: numpy for the merge, XLA's operations for attention; both slower)
 command -v cc >/dev/null || command -v gcc >/dev/null || need_apt+=(gcc libc6-dev)
+command -v c++ >/dev/null || command -v g++ >/dev/null || need_apt+=(g++)
 # diloco lab (and its tests, as root): network namespaces, veth links and tc shaping
 { command -v ip >/dev/null && command -v tc >/dev/null; } || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then

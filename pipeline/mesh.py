@@ -49,6 +49,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pipeline import attention
 from pipeline.task import Task
 from pipeline.train import make_step
 
@@ -224,5 +225,15 @@ class Placement:
         # train.make_step's own step (a jitted function inlines into this one): the same
         # computation, now with its inputs and outputs pinned to the island (a batch that is a
         # tree is split leaf by leaf; every metric is replicated)
-        return jax.jit(make_step(task, opt), in_shardings=(param_sh, state_sh, self._split_batch),
+        step = make_step(task, opt)
+        if self.n_devices > 1:
+            # XLA's partitioner cannot split the fused attention kernel's foreign call (it
+            # would gather the batch onto every device): trace the JAX definition instead
+            inner = step
+
+            def step(params, opt_state, batch):
+                with attention.unfused():
+                    return inner(params, opt_state, batch)
+
+        return jax.jit(step, in_shardings=(param_sh, state_sh, self._split_batch),
                        out_shardings=(param_sh, state_sh, self._replicated))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline import attention
 from pipeline.config import ModelConfig
 
 Params = dict[str, jax.Array]
@@ -73,23 +74,16 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     The residual stream is kept as one ``[batch·time, d_model]`` matrix, so every projection
     and its gradients are plain 2-D matrix products (XLA's CPU backend runs the backward pass of
     a 3-D activation times a matrix — a contraction over two dimensions — about half as
-    fast), and attention runs as one batch of ``batch·heads`` matrix products with the causal
-    mask added as a bias. ``diloco bench step`` measures the step against the machine.
+    fast). Attention is `pipeline.attention.causal` (a fused kernel on CPUs where one is
+    installed). ``diloco bench step`` measures the step against the machine.
     """
     b, t = tokens.shape
-    h, d = cfg.n_heads, cfg.d_model
-    dh = d // h
-    x = (params["wte"][tokens] + params["wpe"][:t]).reshape(b * t, d)
-    causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -1e30).astype(jnp.float32)
-    scale = np.float32(1 / np.sqrt(dh))
+    x = (params["wte"][tokens] + params["wpe"][:t]).reshape(b * t, cfg.d_model)
     for i in range(cfg.n_layers):
         p = f"h{i}."
         y = _layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
-        qkv = (y @ params[p + "attn.qkv"]).reshape(b, t, 3, h, dh)
-        q, k, v = qkv.transpose(2, 0, 3, 1, 4).reshape(3, b * h, t, dh)
-        att = jax.nn.softmax(jnp.einsum("nqd,nkd->nqk", q, k) * scale + causal, axis=-1)
-        y = jnp.einsum("nqk,nkd->nqd", att, v).reshape(b, h, t, dh)
-        x = x + y.transpose(0, 2, 1, 3).reshape(b * t, d) @ params[p + "attn.proj"]
+        y = attention.causal(y @ params[p + "attn.qkv"], b, t, cfg.n_heads)
+        x = x + y @ params[p + "attn.proj"]
         y = _layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
         x = x + jax.nn.gelu(y @ params[p + "mlp.fc"]) @ params[p + "mlp.proj"]
     x = _layer_norm(x, params["lnf.g"], params["lnf.b"])

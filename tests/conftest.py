@@ -42,6 +42,17 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+@pytest.fixture(autouse=True)
+def _attention_as_defined():
+    """Every test starts tracing attention as its JAX definition: a test that runs a `diloco`
+    command in this process installs the fused kernel (as the command does in production),
+    and the next test must not inherit it (the golden numbers are the definition's)."""
+    yield
+    from pipeline import attention
+
+    attention.uninstall()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _reap_children():
     """Kill any child process a test left behind (a failed test must not leak workers)."""

@@ -49,6 +49,10 @@ def train(a: argparse.Namespace) -> int:
     keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     import jax
 
+    from workers import native
+
+    native.install_attention()  # before the step is traced
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if a.gloo_interface:  # gloo's peers connect to this interface's address (by default,
         # to what the host name resolves to: in a network namespace, nothing reachable)

@@ -31,6 +31,7 @@ from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
 from pipeline.train import make_step
+from workers import native
 from workers.common import (
     RunContext,
     add_redis_args,
@@ -184,6 +185,7 @@ def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
     keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     apply_environment()
+    native.install_attention()  # before the step is traced
     if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
         # spares keep their own folder: JAX writes entries without a lock, and a spare warms
         # up while the learner it stands in for runs

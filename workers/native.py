@@ -1,11 +1,23 @@
-"""Build, load and install the compiled merge kernels (`workers/kernels.c`).
+"""Build, load and install the compiled kernels: the merge kernels (`workers/kernels.c`) and
+the fused attention of the default model (`workers/attention.cc`).
 
-`pipeline/kernels.py` defines the merge passes in numpy; this module compiles the C twin on
-first use with the system C compiler (``cc``, or ``$CC``) into a per-user cache
-(``$DILOCO_KERNEL_CACHE``, default ``~/.cache/diloco``), keyed by the source, the flags and the
-CPU, loads it from there afterwards and installs it. Without a compiler (or with
-``DILOCO_KERNELS=numpy``) it logs why and the numpy definition runs: same results, ~5× slower.
-Every process that merges calls `install()` once at start (the syncer, `diloco` commands).
+Each is compiled on first use into a per-user cache (``$DILOCO_KERNEL_CACHE``, default
+``~/.cache/diloco``), keyed by the source, the compiler, the flags and the CPU (both are built
+with ``-march=native``), loaded from there afterwards and installed. Concurrent first uses
+each build a complete file and rename it into place.
+
+* The merge kernels (`install`): `pipeline/kernels.py` defines the merge passes in numpy; the
+  C twin is built with the system C compiler (``cc``, or ``$CC``). Without a compiler (or with
+  ``DILOCO_KERNELS=numpy``) it logs why and the numpy definition runs: same results, ~5×
+  slower. Every process that merges calls `install()` once at start (the syncer, `diloco`
+  commands).
+* The attention kernel (`install_attention`): `pipeline/attention.py` defines causal
+  attention in JAX; the kernel is built with the system C++ compiler (``c++``/``g++``, or
+  ``$CXX``) against the XLA FFI headers that jaxlib ships, and its two targets are
+  registered with JAX for the CPU platform. Without a compiler (or with
+  ``DILOCO_ATTENTION=xla``) it logs why and XLA runs the JAX definition: the same values to
+  float32 rounding, slower. Every process that trains calls it once at start (learners,
+  data-parallel workers, `diloco` commands other than `syncer`).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pipeline import kernels
+from pipeline import attention, kernels
 
 log = logging.getLogger("diloco.native")
 
@@ -48,6 +60,35 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
+def _compiled(name: str, src: Path, compiler: str, flags: list[str],
+              what: str) -> Path | None:
+    """The cached shared library built from `src` (building it first if needed); None, with a
+    warning naming `what` falls back, when the build fails."""
+    data = src.read_bytes()
+    key = hashlib.sha256(b"\0".join([data, " ".join(flags).encode(), compiler.encode(),
+                                     _cpu_key().encode(), platform.machine().encode()]))
+    cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
+    lib = cache / f"{name}-{key.hexdigest()[:16]}.so"
+    if not lib.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            try:
+                subprocess.run([compiler, *flags, "-o", tmp, str(src)], check=True,
+                               capture_output=True, timeout=300)
+                os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except (OSError, subprocess.SubprocessError) as err:
+            detail = getattr(err, "stderr", b"") or b""
+            log.warning("building %s failed (%s %s): %s", src.name, err,
+                        detail.decode(errors="replace")[-500:], what)
+            return None
+    return lib
+
+
 def _build() -> ctypes.CDLL | None:
     if os.environ.get("DILOCO_KERNELS", "").lower() == "numpy":
         return None
@@ -55,24 +96,9 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: the merge runs on numpy (slower; install gcc)")
         return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(),
-                                     _cpu_key().encode(), platform.machine().encode()]))
-    cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
-    lib = cache / f"kernels-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, lib)  # atomic: concurrent builders each install a complete file
-        except (OSError, subprocess.SubprocessError) as err:
-            detail = getattr(err, "stderr", b"") or b""
-            log.warning("building the merge kernels failed (%s %s): the merge runs on numpy",
-                        err, detail.decode(errors="replace")[-500:])
-            return None
+    lib = _compiled("kernels", _SRC, cc, _FLAGS, "the merge runs on numpy")
+    if lib is None:
+        return None
     try:
         dll = ctypes.CDLL(str(lib))
     except OSError as err:
@@ -83,3 +109,55 @@ def _build() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     return dll
+
+
+_ATTENTION_SRC = Path(__file__).with_name("attention.cc")
+# -ffp-contract=fast: multiply-adds fused (no bit-for-bit twin to match, unlike the merge)
+_ATTENTION_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared",
+                    "-std=c++20"]
+ATTENTION_ENV = "DILOCO_ATTENTION"
+_attention_backend: str | None = None
+
+
+def install_attention() -> str:
+    """Build (once per machine), register and install the fused attention kernel; returns the
+    backend in use: "fused", or "xla" (the JAX definition) with the reason logged. Call it
+    before the first step is traced; steps traced before keep what they traced."""
+    global _attention_backend
+    if _attention_backend is None:
+        _attention_backend = "fused" if _register_attention() else "xla"
+    if _attention_backend == "fused":
+        attention.install()
+    return _attention_backend
+
+
+def _register_attention() -> bool:
+    if os.environ.get(ATTENTION_ENV, "").lower() == "xla":
+        return False
+    import jax
+
+    cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+           or shutil.which("clang++"))
+    if cxx is None:
+        log.warning("no C++ compiler found: attention runs as XLA's operations (slower; "
+                    "install g++)")
+        return False
+    include = jax.ffi.include_dir()
+    flags = [*_ATTENTION_FLAGS, f"-I{include}"]
+    # the FFI headers come with jaxlib: a new jaxlib is a new build
+    import jaxlib
+
+    lib = _compiled(f"attention-jaxlib{jaxlib.__version__}", _ATTENTION_SRC, cxx, flags,
+                    "attention runs as XLA's operations")
+    if lib is None:
+        return False
+    try:
+        dll = ctypes.CDLL(str(lib))
+        jax.ffi.register_ffi_target(attention.FORWARD_TARGET,
+                                    jax.ffi.pycapsule(dll.DilocoAttentionFwd), platform="cpu")
+        jax.ffi.register_ffi_target(attention.BACKWARD_TARGET,
+                                    jax.ffi.pycapsule(dll.DilocoAttentionBwd), platform="cpu")
+    except (OSError, AttributeError, ValueError) as err:
+        log.warning("loading %s failed (%s): attention runs as XLA's operations", lib, err)
+        return False
+    return True

@@ -5,11 +5,15 @@ Side by side in one run, at each thread count (all cores, and one core):
 * the machine's fp32 matrix-multiply rate: the best of numpy (its BLAS) and JAX (XLA) on
   1024 × 1024 matrices;
 * the jitted training step (`pipeline.train.make_step`: forward, backward, AdamW) of the model
-  `ModelConfig` defaults to, as shipped, and of the previous implementation of its forward pass
-  (3-D activations, attention by per-head einsums, the causal mask by `where`) kept here as the
-  baseline; its FLOPs are counted as 6 × parameters × tokens + 12 × layers × d_model ×
-  seq_len × tokens (the attention scores and their use, forward and backward), so efficiency
-  = achieved FLOP/s ÷ the best matmul FLOP/s at the same thread count;
+  `ModelConfig` defaults to, as shipped (with the fused attention kernel where
+  `workers.native.install_attention` can build it, as every training process does), the same
+  step with attention as XLA's operations (`pipeline.attention.unfused`: the JAX definition),
+  and the previous implementation of its forward pass (3-D activations, attention by per-head
+  einsums, the causal mask by `where`) kept here as the baseline; its FLOPs are counted as
+  6 × parameters × tokens + 12 × layers × d_model × seq_len × tokens (the attention scores
+  and their use, forward and backward, over the full square: the fused kernel computes only
+  the causal half, and gets no discount for it), so efficiency = achieved FLOP/s ÷ the best
+  matmul FLOP/s at the same thread count;
 * the learner loop: one real learner process (syncing to a real syncer and Redis, learner on
   core 0, syncer and Redis on core 1), its steady steps/s ÷ the bare step's on one core,
   measured alternately (bare, loop, bare, …) so that each loop run has the bare step measured
@@ -91,10 +95,12 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     from workers.heap import keep_freed_memory
 
     heap = keep_freed_memory()  # as every process that trains does, unless turned off
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
-    from pipeline import model
+    from pipeline import attention, model
     from pipeline.config import RunConfig
     from pipeline.task import n_params, task_of
     from pipeline.train import make_step
@@ -106,8 +112,11 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     a = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
     b = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
     mm_flops = 2.0 * N_MATMUL**3
+    from workers import native
+
     out: dict[str, Any] = {"threads": len(os.sched_getaffinity(0)),
-                           "matmul_n": N_MATMUL, "freed_memory": heap}
+                           "matmul_n": N_MATMUL, "freed_memory": heap,
+                           "attention": native.install_attention()}
     out["matmul_numpy_gflops"] = mm_flops / _best(lambda: a @ b, 20) / 1e9
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     mm = jax.jit(lambda x, y: x @ y)
@@ -122,15 +131,19 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     batch = jnp.asarray(rng.integers(0, mc.vocab_size, (cfg.inner.batch_size, mc.seq_len + 1)),
                         jnp.int32)
     shipped = model.forward
-    forwards = (("shipped", shipped), ("previous", _reference_forward))
-    for name, fwd in forwards if full else forwards[:1]:
+    forwards = (("shipped", shipped, contextlib.nullcontext),
+                ("xla_attention", shipped, attention.unfused),
+                ("previous", _reference_forward, contextlib.nullcontext))
+    for name, fwd, tracing in forwards if full else forwards[:1]:
         model.forward = fwd  # loss_and_accuracy looks it up at trace time
         try:
             opt = task.optimizer()
             params = task.init_params(cfg.seed)
             state = opt.init(params)
             step = make_step(task, opt)
-            for _ in range(WARMUP):  # the compilation, and the heap growing to its size
+            with tracing():  # the first call traces the step
+                params, state, _ = step(params, state, batch)
+            for _ in range(WARMUP - 1):  # the compilation, and the heap growing to its size
                 params, state, _ = step(params, state, batch)
                 jax.block_until_ready(params)
             times = []
@@ -288,6 +301,8 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     for key in ("all_cores", "one_core"):
         m = out[key]
         m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]
+        m["speedup_fused_attention"] = (m["xla_attention"]["step_s_median"]
+                                        / m["shipped"]["step_s_median"])
         m["speedup_kept_memory"] = (out[key + "_freed_returned"]["shipped"]["step_s_median"]
                                     / m["shipped"]["step_s_median"])
     return out

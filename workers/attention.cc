@@ -1,0 +1,434 @@
+// Fused causal self-attention for XLA's CPU backend, called through the XLA FFI
+// (`pipeline/attention.py` defines the operation and holds the JAX definition it must match;
+// `workers/native.py` compiles this file and registers the two targets).
+//
+// Both take the packed projection `qkv`, f32[b*t, 3*d] laid out as [b, t, 3, h, dh] (the
+// model's `y @ W_qkv`), and work on one (batch row, head) slice at a time:
+//
+//   diloco_attention_fwd(qkv) -> (y f32[b*t, d] laid out as [b, t, h, dh],
+//                                 lse f32[b*h*t]: each query row's log-sum-exp of its scores)
+//   diloco_attention_bwd(qkv, y, lse, dy) -> dqkv f32[b*t, 3*d]
+//
+// with scores scale * q_i . k_j for j <= i only (the causal half: the masked half is never
+// computed), a row softmax, and y_i = sum_j p_ij v_j. The backward pass recomputes p from the
+// saved log-sum-exp (nothing of size t*t is kept between the passes) and forms, per row,
+// ds_ij = p_ij (dy_i . v_j - dy_i . y_i), dq_i = scale sum_j ds_ij k_j,
+// dk_j += scale ds_ij q_i and dv_j += p_ij dy_i.
+//
+// Slices run on XLA's intra-op thread pool; each slice is computed by one thread in one fixed
+// order, so the results do not depend on the number of threads.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // score columns computed together (kept in registers)
+constexpr int64_t kRows = 8;    // query rows computed together (sharing each key/value load)
+constexpr int64_t kMaxHeadDim = 256;
+
+struct Dims {
+  int64_t b, t, h, dh, d, tpad;
+  float scale;
+};
+
+// Sixteen floats; GCC lowers it to whatever vector registers the target has (one AVX-512
+// register, two AVX ones, four SSE ones). Loads and stores go through memcpy (unaligned).
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+const vi16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline v16 splat(float x) { return v16{} + x; }
+
+// e^x lane by lane for x <= ~0 (a score less its row's maximum or log-sum-exp), to ~2 ulp
+// (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, 2^n from the exponent bits).
+// Below -87 the result is ~0 (1e-38).
+inline v16 exp16(v16 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v16 shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 n = (x * 1.44269504088896341f + shifter) - shifter;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * reinterpret_cast<const v16&>(bits);
+}
+
+// Lanes j0 + lane < n: true.
+inline vi16 below(int64_t j0, int64_t n) {
+  return kIota < static_cast<int32_t>(std::min<int64_t>(n - j0, 16));
+}
+
+// One score row s[0 .. n) (scaled in place by `scale`) becomes e^(s - max) with zeros from n
+// to the next multiple of 16; returns the row's maximum and the sum of the exponentials.
+inline void row_softmax(float* s, int64_t n, float scale, float* max_out, float* sum_out) {
+  v16 m = splat(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const v16 v = load16(s + j0) * scale;
+    m = below(j0, n) ? (v > m ? v : m) : m;
+  }
+  float mx = m[0];
+  for (int u = 1; u < 16; ++u) mx = std::max(mx, m[u]);
+  v16 l = {};
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const v16 e = below(j0, n) ? exp16(load16(s + j0) * scale - mx) : v16{};
+    store16(s + j0, e);
+    l += e;
+  }
+  float sum = 0.0f;
+  for (int u = 0; u < 16; ++u) sum += l[u];
+  *max_out = mx;
+  *sum_out = sum;
+}
+
+// s[a][j] = x_a . kt[:, j] for the block's kRows rows x_a and j < ncols (a multiple of kBlock;
+// columns past a row's causal limit are computed and overwritten by the caller).
+inline void block_scores(const float* const* x, const float* kt, const Dims& D, int64_t ncols,
+                         float* s) {
+  static_assert(kBlock == 16, "block_scores is written for blocks of 16 columns");
+  for (int64_t j0 = 0; j0 < ncols; j0 += kBlock) {
+    v16 acc[kRows] = {};
+    for (int64_t c = 0; c < D.dh; ++c) {
+      const v16 k = load16(kt + c * D.tpad + j0);
+      for (int64_t a = 0; a < kRows; ++a) acc[a] += x[a][c] * k;
+    }
+    for (int64_t a = 0; a < kRows; ++a) store16(s + a * D.tpad + j0, acc[a]);
+  }
+}
+
+// out[a][:] = sum_{j < n} w[a][j] * rows[j * stride .. + dh] for each of the block's rows.
+// NV > 0: dh = 16 * NV, in registers; NV = 0: any dh, plain loops.
+template <int64_t NV>
+inline void block_weighted_rows(const float* w, const float* rows, int64_t stride, int64_t n,
+                                const Dims& D, float* out /* [kRows][dh] */) {
+  if constexpr (NV > 0) {
+    v16 acc[kRows][NV] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      v16 r[NV];
+      for (int64_t u = 0; u < NV; ++u) r[u] = load16(rows + j * stride + 16 * u);
+      for (int64_t a = 0; a < kRows; ++a) {
+        const float wj = w[a * D.tpad + j];
+        for (int64_t u = 0; u < NV; ++u) acc[a][u] += wj * r[u];
+      }
+    }
+    for (int64_t a = 0; a < kRows; ++a)
+      for (int64_t u = 0; u < NV; ++u) store16(out + a * 16 * NV + 16 * u, acc[a][u]);
+  } else {
+    const int64_t dh = D.dh;
+    std::fill(out, out + kRows * dh, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* r = rows + j * stride;
+      for (int64_t a = 0; a < kRows; ++a) {
+        const float wj = w[a * D.tpad + j];
+        for (int64_t c = 0; c < dh; ++c) out[a * dh + c] += wj * r[c];
+      }
+    }
+  }
+}
+
+// acc[j][:] += sum_a w[a][j] * x_a for j < n (acc contiguous, dh floats per row)
+template <int64_t NV>
+inline void block_scatter_rows(const float* w, const float* const* x, int64_t n, const Dims& D,
+                               float* acc) {
+  if constexpr (NV > 0) {
+    v16 xs[kRows][NV];
+    for (int64_t a = 0; a < kRows; ++a)
+      for (int64_t u = 0; u < NV; ++u) xs[a][u] = load16(x[a] + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      float* out = acc + j * 16 * NV;
+      v16 sum[NV];
+      for (int64_t u = 0; u < NV; ++u) sum[u] = load16(out + 16 * u);
+      for (int64_t a = 0; a < kRows; ++a) {
+        const float wj = w[a * D.tpad + j];
+        for (int64_t u = 0; u < NV; ++u) sum[u] += wj * xs[a][u];
+      }
+      for (int64_t u = 0; u < NV; ++u) store16(out + 16 * u, sum[u]);
+    }
+  } else {
+    const int64_t dh = D.dh;
+    for (int64_t j = 0; j < n; ++j) {
+      float* out = acc + j * dh;
+      for (int64_t a = 0; a < kRows; ++a) {
+        const float wj = w[a * D.tpad + j];
+        for (int64_t c = 0; c < dh; ++c) out[c] += wj * x[a][c];
+      }
+    }
+  }
+}
+
+// A slice's transposed copy of one of q/k/v (which = 0, 1, 2): out[c][tpad], zero-padded.
+void transpose_part(const float* qkv, const Dims& D, int64_t bi, int64_t hi, int which,
+                    float* out) {
+  const int64_t row = 3 * D.d;
+  const float* base = qkv + bi * D.t * row + which * D.d + hi * D.dh;
+  for (int64_t i = 0; i < D.t; ++i) {
+    const float* r = base + i * row;
+    for (int64_t c = 0; c < D.dh; ++c) out[c * D.tpad + i] = r[c];
+  }
+  for (int64_t c = 0; c < D.dh; ++c)
+    for (int64_t i = D.t; i < D.tpad; ++i) out[c * D.tpad + i] = 0.0f;
+}
+
+std::vector<float>& scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+// The block of query rows i0 .. i0 + kRows: a row past t repeats row t - 1 (its results are
+// dropped). Columns of the block reach `ncols` (rounded up to kBlock); row a's own ones end at
+// i0 + a + 1.
+struct RowBlock {
+  int64_t i0, rows, nmax, ncols;
+  RowBlock(const Dims& D, int64_t i0_) : i0(i0_) {
+    rows = std::min(kRows, D.t - i0);
+    nmax = i0 + rows;
+    ncols = (nmax + kBlock - 1) / kBlock * kBlock;
+  }
+  int64_t row(int64_t a) const { return i0 + std::min(a, rows - 1); }
+};
+
+template <int64_t NV>
+void forward_slice(const float* qkv, float* y, float* lse, const Dims& D, int64_t slice) {
+  const int64_t bi = slice / D.h, hi = slice % D.h, row = 3 * D.d, dh = D.dh;
+  std::vector<float>& buf = scratch(dh * D.tpad + kRows * D.tpad);
+  float* kt = buf.data();
+  float* s = kt + dh * D.tpad;
+  transpose_part(qkv, D, bi, hi, 1, kt);
+  const float* q = qkv + bi * D.t * row + hi * dh;
+  const float* v = q + 2 * D.d;
+  float o[kRows * kMaxHeadDim];
+  for (int64_t i0 = 0; i0 < D.t; i0 += kRows) {
+    const RowBlock B(D, i0);
+    const float* x[kRows];
+    for (int64_t a = 0; a < kRows; ++a) x[a] = q + B.row(a) * row;
+    block_scores(x, kt, D, B.ncols, s);
+    float inv[kRows];
+    for (int64_t a = 0; a < kRows; ++a) {
+      const int64_t n = B.row(a) + 1;
+      float* sa = s + a * D.tpad;
+      float m, l;
+      row_softmax(sa, n, D.scale, &m, &l);
+      for (int64_t j = (n + 15) / 16 * 16; j < B.nmax; ++j) sa[j] = 0.0f;
+      inv[a] = 1.0f / l;
+      if (a < B.rows) lse[slice * D.t + i0 + a] = m + std::log(l);
+    }
+    block_weighted_rows<NV>(s, v, row, B.nmax, D, o);
+    for (int64_t a = 0; a < B.rows; ++a) {
+      float* yi = y + (bi * D.t + i0 + a) * D.d + hi * dh;
+      for (int64_t c = 0; c < dh; ++c) yi[c] = o[a * dh + c] * inv[a];
+    }
+  }
+}
+
+template <int64_t NV>
+void backward_slice(const float* qkv, const float* y, const float* lse, const float* dy,
+                    float* dqkv, const Dims& D, int64_t slice) {
+  const int64_t bi = slice / D.h, hi = slice % D.h, row = 3 * D.d;
+  const int64_t t = D.t, dh = D.dh;
+  std::vector<float>& buf = scratch(2 * dh * D.tpad + 2 * t * dh + 2 * kRows * D.tpad);
+  float* kt = buf.data();
+  float* vt = kt + dh * D.tpad;
+  float* dk = vt + dh * D.tpad;
+  float* dv = dk + t * dh;
+  float* s = dv + t * dh;
+  float* ds = s + kRows * D.tpad;
+  transpose_part(qkv, D, bi, hi, 1, kt);
+  transpose_part(qkv, D, bi, hi, 2, vt);
+  std::fill(dk, dk + 2 * t * dh, 0.0f);
+  const float* q = qkv + bi * t * row + hi * dh;
+  const float* k = q + D.d;
+  float dq[kRows * kMaxHeadDim];
+  for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+    const RowBlock B(D, i0);
+    const float *qa[kRows], *dya[kRows];
+    float delta[kRows], li[kRows];
+    for (int64_t a = 0; a < kRows; ++a) {
+      const int64_t i = B.row(a);
+      qa[a] = q + i * row;
+      dya[a] = dy + (bi * t + i) * D.d + hi * dh;
+      const float* yi = y + (bi * t + i) * D.d + hi * dh;
+      float sum = 0.0f;
+      for (int64_t c = 0; c < dh; ++c) sum += dya[a][c] * yi[c];
+      delta[a] = sum;
+      li[a] = lse[slice * t + i];
+    }
+    block_scores(qa, kt, D, B.ncols, s);
+    block_scores(dya, vt, D, B.ncols, ds);
+    for (int64_t a = 0; a < kRows; ++a) {
+      const int64_t n = a < B.rows ? i0 + a + 1 : 0;  // a repeated row contributes nothing
+      float* sa = s + a * D.tpad;
+      float* dsa = ds + a * D.tpad;
+      const float scale = D.scale, la = li[a], da = delta[a];
+      for (int64_t j0 = 0; j0 < B.nmax; j0 += 16) {
+        const vi16 keep = below(j0, n);
+        const v16 p = keep ? exp16(load16(sa + j0) * scale - la) : v16{};
+        store16(sa + j0, p);
+        store16(dsa + j0, keep ? p * (load16(dsa + j0) - da) * scale : v16{});
+      }
+    }
+    block_weighted_rows<NV>(ds, k, row, B.nmax, D, dq);
+    for (int64_t a = 0; a < B.rows; ++a) {
+      float* dqi = dqkv + (bi * t + i0 + a) * row + hi * dh;
+      for (int64_t c = 0; c < dh; ++c) dqi[c] = dq[a * dh + c];
+    }
+    block_scatter_rows<NV>(ds, qa, B.nmax, D, dk);
+    block_scatter_rows<NV>(s, dya, B.nmax, D, dv);
+  }
+  for (int64_t j = 0; j < t; ++j) {
+    float* dkj = dqkv + (bi * t + j) * row + D.d + hi * dh;
+    float* dvj = dkj + D.d;
+    for (int64_t c = 0; c < dh; ++c) {
+      dkj[c] = dk[j * dh + c];
+      dvj[c] = dv[j * dh + c];
+    }
+  }
+}
+
+// Runs f(0 .. n) on the calling thread and the pool. Work is claimed from a shared counter,
+// so the caller finishes whatever no pool thread has taken and never waits on a task that has
+// not started; a task that starts after the work is gone touches only the shared counters.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  const int64_t workers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  if (workers <= 0) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  auto st = std::make_shared<State>();
+  const F* fp = &f;
+  auto run = [st, fp, n]() {
+    for (int64_t i; (i = st->next.fetch_add(1)) < n;) {
+      (*fp)(i);
+      st->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(run)(run));
+  run();
+  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error check(const Dims& D, int64_t rows, int64_t cols) {
+  if (D.b < 1 || D.t < 1 || D.h < 1)
+    return ffi::Error::InvalidArgument("attention: b, t and h must be positive");
+  if (cols % 3 != 0 || (cols / 3) % D.h != 0 || D.dh < 1 || D.dh > kMaxHeadDim)
+    return ffi::Error::InvalidArgument(
+        "attention: qkv's width must be 3 * h * head_dim, with head_dim 1 .. 256");
+  if (rows != D.b * D.t)
+    return ffi::Error::InvalidArgument("attention: qkv must have b * t rows");
+  return ffi::Error::Success();
+}
+
+Dims dims_of(int64_t b, int64_t t, int64_t h, int64_t cols) {
+  Dims D;
+  D.b = b;
+  D.t = t;
+  D.h = h;
+  D.d = cols / 3;
+  D.dh = h > 0 ? D.d / h : 0;
+  D.tpad = (t + kBlock - 1) / kBlock * kBlock;
+  D.scale = D.dh > 0 ? 1.0f / std::sqrt(static_cast<float>(D.dh)) : 0.0f;
+  return D;
+}
+
+// f.template operator()<NV>(slice) over every slice, with NV = head_dim / 16 where the vector
+// code is compiled for it (16, 32, 64) and the plain loops (NV = 0) otherwise.
+template <typename F>
+void dispatch(ffi::ThreadPool& pool, const Dims& D, const F& f) {
+  const int64_t n = D.b * D.h;
+  switch (D.dh) {
+    case 16: parallel_for(pool, n, [&](int64_t s) { f.template operator()<1>(s); }); break;
+    case 32: parallel_for(pool, n, [&](int64_t s) { f.template operator()<2>(s); }); break;
+    case 64: parallel_for(pool, n, [&](int64_t s) { f.template operator()<4>(s); }); break;
+    default: parallel_for(pool, n, [&](int64_t s) { f.template operator()<0>(s); });
+  }
+}
+
+ffi::Error forward_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> lse,
+                        int64_t b, int64_t t, int64_t h) {
+  auto dims = qkv.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("attention: qkv must be 2-D");
+  const Dims D = dims_of(b, t, h, dims[1]);
+  if (ffi::Error e = check(D, dims[0], dims[1]); e.failure()) return e;
+  if (y->element_count() != b * t * D.d || lse->element_count() != b * h * t)
+    return ffi::Error::InvalidArgument("attention: output shapes do not match qkv");
+  const float* in = qkv.typed_data();
+  float* yo = y->typed_data();
+  float* lo = lse->typed_data();
+  dispatch(pool, D, [&]<int64_t NV>(int64_t s) { forward_slice<NV>(in, yo, lo, D, s); });
+  return ffi::Error::Success();
+}
+
+ffi::Error backward_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                         ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> lse,
+                         ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dqkv, int64_t b,
+                         int64_t t, int64_t h) {
+  auto dims = qkv.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("attention: qkv must be 2-D");
+  const Dims D = dims_of(b, t, h, dims[1]);
+  if (ffi::Error e = check(D, dims[0], dims[1]); e.failure()) return e;
+  if (y.element_count() != b * t * D.d || dy.element_count() != b * t * D.d ||
+      lse.element_count() != b * h * t || dqkv->element_count() != qkv.element_count())
+    return ffi::Error::InvalidArgument("attention: operand shapes do not match qkv");
+  const float *in = qkv.typed_data(), *yi = y.typed_data(), *li = lse.typed_data(),
+              *dyi = dy.typed_data();
+  float* out = dqkv->typed_data();
+  dispatch(pool, D, [&]<int64_t NV>(int64_t s) {
+    backward_slice<NV>(in, yi, li, dyi, out, D, s);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoAttentionFwd, forward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("b")
+                                  .Attr<int64_t>("t")
+                                  .Attr<int64_t>("h"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoAttentionBwd, backward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("b")
+                                  .Attr<int64_t>("t")
+                                  .Attr<int64_t>("h"));

@@ -49,7 +49,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pipeline import attention
+from pipeline import fused
 from pipeline.task import Task
 from pipeline.train import make_step
 
@@ -227,12 +227,12 @@ class Placement:
         # tree is split leaf by leaf; every metric is replicated)
         step = make_step(task, opt)
         if self.n_devices > 1:
-            # XLA's partitioner cannot split the fused attention kernel's foreign call (it
-            # would gather the batch onto every device): trace the JAX definition instead
+            # XLA's partitioner cannot split the fused kernels' foreign calls (it would gather
+            # the batch onto every device): trace the JAX definitions instead
             inner = step
 
             def step(params, opt_state, batch):
-                with attention.unfused():
+                with fused.unfused():
                     return inner(params, opt_state, batch)
 
         return jax.jit(step, in_shardings=(param_sh, state_sh, self._split_batch),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline import attention
+from pipeline import fused
 from pipeline.config import ModelConfig
 
 Params = dict[str, jax.Array]
@@ -62,31 +62,25 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
     return params
 
 
-def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-    mu = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * g + b
-
-
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Logits ``[batch, time, vocab]`` for int32 tokens ``[batch, time]``.
 
     The residual stream is kept as one ``[batch·time, d_model]`` matrix, so every projection
     and its gradients are plain 2-D matrix products (XLA's CPU backend runs the backward pass of
     a 3-D activation times a matrix — a contraction over two dimensions — about half as
-    fast). Attention is `pipeline.attention.causal` (a fused kernel on CPUs where one is
-    installed). ``diloco bench step`` measures the step against the machine.
+    fast). Attention and the layer norms are `pipeline.fused`'s (fused kernels on CPUs where
+    they are installed). ``diloco bench step`` measures the step against the machine.
     """
     b, t = tokens.shape
     x = (params["wte"][tokens] + params["wpe"][:t]).reshape(b * t, cfg.d_model)
     for i in range(cfg.n_layers):
         p = f"h{i}."
-        y = _layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
-        y = attention.causal(y @ params[p + "attn.qkv"], b, t, cfg.n_heads)
+        y = fused.layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
+        y = fused.causal_attention(y @ params[p + "attn.qkv"], b, t, cfg.n_heads)
         x = x + y @ params[p + "attn.proj"]
-        y = _layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
+        y = fused.layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
         x = x + jax.nn.gelu(y @ params[p + "mlp.fc"]) @ params[p + "mlp.proj"]
-    x = _layer_norm(x, params["lnf.g"], params["lnf.b"])
+    x = fused.layer_norm(x, params["lnf.g"], params["lnf.b"])
     return (x @ params["wte"].T).reshape(b, t, -1)
 
 

@@ -43,14 +43,15 @@ def redis_url(redis_server):
 
 
 @pytest.fixture(autouse=True)
-def _attention_as_defined():
-    """Every test starts tracing attention as its JAX definition: a test that runs a `diloco`
-    command in this process installs the fused kernel (as the command does in production),
-    and the next test must not inherit it (the golden numbers are the definition's)."""
+def _unfused():
+    """Every test starts tracing attention and layer norms as their JAX definitions: a test
+    that runs a `diloco` command in this process installs the fused kernels (as the command
+    does in production), and the next test must not inherit them (the golden numbers are the
+    definitions')."""
     yield
-    from pipeline import attention
+    from pipeline import fused
 
-    attention.uninstall()
+    fused.uninstall()
 
 
 @pytest.fixture(autouse=True, scope="session")

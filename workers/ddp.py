@@ -51,7 +51,7 @@ def train(a: argparse.Namespace) -> int:
 
     from workers import native
 
-    native.install_attention()  # before the step is traced
+    native.install_fused()  # before the step is traced
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if a.gloo_interface:  # gloo's peers connect to this interface's address (by default,

@@ -185,7 +185,7 @@ def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
     keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     apply_environment()
-    native.install_attention()  # before the step is traced
+    native.install_fused()  # before the step is traced
     if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
         # spares keep their own folder: JAX writes entries without a lock, and a spare warms
         # up while the learner it stands in for runs

@@ -1,5 +1,5 @@
 """Build, load and install the compiled kernels: the merge kernels (`workers/kernels.c`) and
-the fused attention of the default model (`workers/attention.cc`).
+the default model's fused attention and layer norm (`workers/fused.cc`).
 
 Each is compiled on first use into a per-user cache (``$DILOCO_KERNEL_CACHE``, default
 ``~/.cache/diloco``), keyed by the source, the compiler, the flags and the CPU (both are built
@@ -11,13 +11,13 @@ each build a complete file and rename it into place.
   ``DILOCO_KERNELS=numpy``) it logs why and the numpy definition runs: same results, ~5×
   slower. Every process that merges calls `install()` once at start (the syncer, `diloco`
   commands).
-* The attention kernel (`install_attention`): `pipeline/attention.py` defines causal
-  attention in JAX; the kernel is built with the system C++ compiler (``c++``/``g++``, or
-  ``$CXX``) against the XLA FFI headers that jaxlib ships, and its two targets are
-  registered with JAX for the CPU platform. Without a compiler (or with
-  ``DILOCO_ATTENTION=xla``) it logs why and XLA runs the JAX definition: the same values to
-  float32 rounding, slower. Every process that trains calls it once at start (learners,
-  data-parallel workers, `diloco` commands other than `syncer`).
+* The fused kernels (`install_fused`): `pipeline/fused.py` defines causal attention and the
+  layer norm in JAX; the kernels are built with the system C++ compiler (``c++``/``g++``, or
+  ``$CXX``) against the XLA FFI headers that jaxlib ships, and their targets are registered
+  with JAX for the CPU platform. Without a compiler (or with ``DILOCO_FUSED=xla``) it logs
+  why and XLA runs the JAX definitions: the same values to float32 rounding, slower. Every
+  process that trains calls it once at start (learners, data-parallel workers, `diloco`
+  commands other than `syncer`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pipeline import attention, kernels
+from pipeline import fused, kernels
 
 log = logging.getLogger("diloco.native")
 
@@ -111,53 +111,51 @@ def _build() -> ctypes.CDLL | None:
     return dll
 
 
-_ATTENTION_SRC = Path(__file__).with_name("attention.cc")
+_FUSED_SRC = Path(__file__).with_name("fused.cc")
 # -ffp-contract=fast: multiply-adds fused (no bit-for-bit twin to match, unlike the merge)
-_ATTENTION_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared",
-                    "-std=c++20"]
-ATTENTION_ENV = "DILOCO_ATTENTION"
-_attention_backend: str | None = None
+_FUSED_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20"]
+FUSED_ENV = "DILOCO_FUSED"
+_fused_backend: str | None = None
 
 
-def install_attention() -> str:
-    """Build (once per machine), register and install the fused attention kernel; returns the
-    backend in use: "fused", or "xla" (the JAX definition) with the reason logged. Call it
-    before the first step is traced; steps traced before keep what they traced."""
-    global _attention_backend
-    if _attention_backend is None:
-        _attention_backend = "fused" if _register_attention() else "xla"
-    if _attention_backend == "fused":
-        attention.install()
-    return _attention_backend
+def install_fused() -> str:
+    """Build (once per machine), register and install the fused attention and layer-norm
+    kernels; returns the backend in use: "fused", or "xla" (the JAX definitions) with the
+    reason logged. Call it before the first step is traced; steps traced before keep what
+    they traced."""
+    global _fused_backend
+    if _fused_backend is None:
+        _fused_backend = "fused" if _register_fused() else "xla"
+    if _fused_backend == "fused":
+        fused.install()
+    return _fused_backend
 
 
-def _register_attention() -> bool:
-    if os.environ.get(ATTENTION_ENV, "").lower() == "xla":
+def _register_fused() -> bool:
+    if os.environ.get(FUSED_ENV, "").lower() == "xla":
         return False
     import jax
+    import jaxlib
 
     cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
            or shutil.which("clang++"))
     if cxx is None:
-        log.warning("no C++ compiler found: attention runs as XLA's operations (slower; "
-                    "install g++)")
+        log.warning("no C++ compiler found: attention and layer norms run as XLA's operations "
+                    "(slower; install g++)")
         return False
-    include = jax.ffi.include_dir()
-    flags = [*_ATTENTION_FLAGS, f"-I{include}"]
+    flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}"]
     # the FFI headers come with jaxlib: a new jaxlib is a new build
-    import jaxlib
-
-    lib = _compiled(f"attention-jaxlib{jaxlib.__version__}", _ATTENTION_SRC, cxx, flags,
-                    "attention runs as XLA's operations")
+    lib = _compiled(f"fused-jaxlib{jaxlib.__version__}", _FUSED_SRC, cxx, flags,
+                    "attention and layer norms run as XLA's operations")
     if lib is None:
         return False
     try:
         dll = ctypes.CDLL(str(lib))
-        jax.ffi.register_ffi_target(attention.FORWARD_TARGET,
-                                    jax.ffi.pycapsule(dll.DilocoAttentionFwd), platform="cpu")
-        jax.ffi.register_ffi_target(attention.BACKWARD_TARGET,
-                                    jax.ffi.pycapsule(dll.DilocoAttentionBwd), platform="cpu")
+        for target, symbol in fused.SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(dll, symbol)),
+                                        platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
-        log.warning("loading %s failed (%s): attention runs as XLA's operations", lib, err)
+        log.warning("loading %s failed (%s): attention and layer norms run as XLA's "
+                    "operations", lib, err)
         return False
     return True

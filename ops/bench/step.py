@@ -5,9 +5,9 @@ Side by side in one run, at each thread count (all cores, and one core):
 * the machine's fp32 matrix-multiply rate: the best of numpy (its BLAS) and JAX (XLA) on
   1024 × 1024 matrices;
 * the jitted training step (`pipeline.train.make_step`: forward, backward, AdamW) of the model
-  `ModelConfig` defaults to, as shipped (with the fused attention kernel where
-  `workers.native.install_attention` can build it, as every training process does), the same
-  step with attention as XLA's operations (`pipeline.attention.unfused`: the JAX definition),
+  `ModelConfig` defaults to, as shipped (with the fused attention and layer-norm kernels where
+  `workers.native.install_fused` can build them, as every training process does), the same
+  step with both as XLA's operations (`pipeline.fused.unfused`: the JAX definitions),
   and the previous implementation of its forward pass (3-D activations, attention by per-head
   einsums, the causal mask by `where`) kept here as the baseline; its FLOPs are counted as
   6 × parameters × tokens + 12 × layers × d_model × seq_len × tokens (the attention scores
@@ -66,7 +66,7 @@ def _reference_forward(params, tokens, cfg):
     import jax
     import jax.numpy as jnp
 
-    from pipeline.model import _layer_norm
+    from pipeline.fused import layer_norm_reference as _layer_norm
 
     _, t = tokens.shape
     h = cfg.n_heads
@@ -100,7 +100,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from pipeline import attention, model
+    from pipeline import fused, model
     from pipeline.config import RunConfig
     from pipeline.task import n_params, task_of
     from pipeline.train import make_step
@@ -116,7 +116,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
 
     out: dict[str, Any] = {"threads": len(os.sched_getaffinity(0)),
                            "matmul_n": N_MATMUL, "freed_memory": heap,
-                           "attention": native.install_attention()}
+                           "fused_kernels": native.install_fused()}
     out["matmul_numpy_gflops"] = mm_flops / _best(lambda: a @ b, 20) / 1e9
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     mm = jax.jit(lambda x, y: x @ y)
@@ -132,7 +132,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
                         jnp.int32)
     shipped = model.forward
     forwards = (("shipped", shipped, contextlib.nullcontext),
-                ("xla_attention", shipped, attention.unfused),
+                ("unfused", shipped, fused.unfused),
                 ("previous", _reference_forward, contextlib.nullcontext))
     for name, fwd, tracing in forwards if full else forwards[:1]:
         model.forward = fwd  # loss_and_accuracy looks it up at trace time
@@ -301,8 +301,8 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
     for key in ("all_cores", "one_core"):
         m = out[key]
         m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]
-        m["speedup_fused_attention"] = (m["xla_attention"]["step_s_median"]
-                                        / m["shipped"]["step_s_median"])
+        m["speedup_fused_kernels"] = (m["unfused"]["step_s_median"]
+                                      / m["shipped"]["step_s_median"])
         m["speedup_kept_memory"] = (out[key + "_freed_returned"]["shipped"]["step_s_median"]
                                     / m["shipped"]["step_s_median"])
     return out

@@ -40,6 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         keep_freed_memory()  # before JAX runs anything: a jitted step reuses its scratch memory
     native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
     apply_environment()
-    if args.command != "syncer":  # the fused attention, for every command that trains
-        native.install_attention()
+    if args.command != "syncer":  # the fused kernels, for every command that trains
+        native.install_fused()
     return int(args.func(args) or 0)

@@ -1,7 +1,7 @@
-"""The fused causal-attention kernel (`workers/attention.cc`, `pipeline/attention.py`): the
-same values and gradients as the JAX definition, in a whole training step too; results that
+"""The fused attention and layer-norm kernels (`workers/fused.cc`, `pipeline/fused.py`): the
+same values and gradients as the JAX definitions, in a whole training step too; results that
 do not depend on the thread count; refusals of bad shapes; the fallbacks (no compiler,
-``DILOCO_ATTENTION=xla``, a multi-device island)."""
+``DILOCO_FUSED=xla``, a multi-device island)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline import attention
+from pipeline import fused
 from workers import native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,16 +25,16 @@ HAVE_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++")) or bool(os.en
 
 
 @pytest.fixture
-def fused():
-    """The kernel installed for one test (built on first use), and uninstalled after it, so
-    that no other test of this process traces it."""
+def kernels():
+    """The kernels installed for one test (built on first use), and uninstalled after it, so
+    that no other test of this process traces them."""
     if not HAVE_CXX:
         pytest.skip("no C++ compiler on this machine: the kernel cannot be built")
-    assert native.install_attention() == "fused"  # a compiler is here: the build must work
+    assert native.install_fused() == "fused"  # a compiler is here: the build must work
     try:
         yield
     finally:
-        attention.uninstall()
+        fused.uninstall()
 
 
 def _qkv(b, t, h, dh, seed=0):
@@ -50,20 +50,20 @@ SHAPES = [(1, 1, 1, 16), (2, 5, 2, 3), (2, 17, 2, 32), (3, 33, 1, 64), (2, 24, 3
 
 
 @pytest.mark.parametrize("b,t,h,dh", SHAPES)
-def test_kernel_matches_the_definition(fused, b, t, h, dh):
+def test_kernel_matches_the_definition(kernels, b, t, h, dh):
     qkv, w = _qkv(b, t, h, dh)
 
     def loss(x):
-        return jnp.sum(attention.causal(x, b, t, h) * w)
+        return jnp.sum(fused.causal_attention(x, b, t, h) * w)
 
-    y = jax.jit(lambda x: attention.causal(x, b, t, h))(qkv)
+    y = jax.jit(lambda x: fused.causal_attention(x, b, t, h))(qkv)
     g = jax.jit(jax.grad(loss))(qkv)
     text = jax.jit(jax.grad(loss)).lower(qkv).as_text()
-    assert attention.FORWARD_TARGET in text and attention.BACKWARD_TARGET in text
-    with attention.unfused():
-        y_ref = attention.causal(qkv, b, t, h)
+    assert fused.FORWARD_TARGET in text and fused.BACKWARD_TARGET in text
+    with fused.unfused():
+        y_ref = fused.causal_attention(qkv, b, t, h)
         g_ref = jax.grad(loss)(qkv)
-        assert attention.FORWARD_TARGET not in jax.jit(jax.grad(loss)).lower(qkv).as_text()
+        assert fused.FORWARD_TARGET not in jax.jit(jax.grad(loss)).lower(qkv).as_text()
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=2e-6)
     scale = float(jnp.max(jnp.abs(g_ref)))
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=2e-6 * scale)
@@ -71,7 +71,40 @@ def test_kernel_matches_the_definition(fused, b, t, h, dh):
     assert float(jnp.min(jnp.max(jnp.abs(g), axis=0))) > 0 or t == 1
 
 
-def test_a_training_step_matches_the_definition(fused):
+@pytest.mark.parametrize("n,d", [(1, 1), (3, 5), (64, 128), (130, 128), (1000, 24)])
+def test_layer_norm_kernel_matches_the_definition(kernels, n, d):
+    r = np.random.default_rng(n + d)
+    x = jnp.asarray((3 + 2 * r.standard_normal((n, d))).astype(np.float32))
+    g, b = (jnp.asarray(r.standard_normal(d).astype(np.float32)) for _ in range(2))
+    w = jnp.asarray(r.standard_normal((n, d)).astype(np.float32))
+
+    def loss(x, g, b):
+        return jnp.sum(fused.layer_norm(x, g, b) * w)
+
+    y = jax.jit(fused.layer_norm)(x, g, b)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, g, b)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, g, b).as_text()
+    assert fused.NORM_FORWARD_TARGET in text and fused.NORM_BACKWARD_TARGET in text
+    with fused.unfused():
+        y_ref = fused.layer_norm(x, g, b)
+        grads_ref = jax.grad(loss, argnums=(0, 1, 2))(x, g, b)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, grads_ref, strict=True):
+        scale = float(jnp.max(jnp.abs(want))) or 1.0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4,
+                                   atol=1e-5 * scale)
+
+
+def test_layer_norm_of_other_shapes_runs_the_definition(kernels):
+    x = jnp.ones((2, 3, 4), jnp.float32)
+    g = b = jnp.ones(4, jnp.float32)
+    text = jax.jit(fused.layer_norm).lower(x, g, b).as_text()
+    assert fused.NORM_FORWARD_TARGET not in text  # 3-D: the kernel takes [n, d]
+    assert fused.NORM_FORWARD_TARGET in jax.jit(fused.layer_norm).lower(
+        x[0], g, b).as_text()
+
+
+def test_a_training_step_matches_the_definition(kernels):
     from pipeline import config as cfgmod
     from pipeline.task import task_of
     from pipeline.train import make_step
@@ -93,7 +126,7 @@ def test_a_training_step_matches_the_definition(fused):
         return params, losses
 
     p_fused, l_fused = three_steps()
-    with attention.unfused():
+    with fused.unfused():
         p_ref, l_ref = three_steps()
     np.testing.assert_allclose(l_fused, l_ref, rtol=1e-5)
     for k in p_ref:
@@ -101,34 +134,45 @@ def test_a_training_step_matches_the_definition(fused):
                                    atol=1e-6, err_msg=k)
 
 
-def test_bad_shapes_are_refused(fused):
+def test_bad_shapes_are_refused(kernels):
     qkv, _ = _qkv(2, 8, 2, 16)
     with pytest.raises(ValueError, match="not \\[b\\*t"):
-        attention.causal(qkv, 3, 8, 2)  # 2·8 rows are not 3·8
+        fused.causal_attention(qkv, 3, 8, 2)  # 2·8 rows are not 3·8
     with pytest.raises(ValueError, match="not \\[b\\*t"):
-        attention.causal(qkv, 2, 8, 5)  # 96 columns are not 3·5·head_dim
+        fused.causal_attention(qkv, 2, 8, 5)  # 96 columns are not 3·5·head_dim
     # the kernel checks its operands itself: a call that bypasses `causal` is refused by it
     with pytest.raises(Exception, match="b \\* t rows"):
-        jax.block_until_ready(attention._forward_call(qkv, 4, 8, 2))
+        jax.block_until_ready(fused._forward_call(qkv, 4, 8, 2))
     wide, _ = _qkv(1, 2, 1, 300)
     with pytest.raises(Exception, match="head_dim 1 .. 256"):
-        jax.block_until_ready(attention._forward_call(wide, 1, 2, 1))
+        jax.block_until_ready(fused._forward_call(wide, 1, 2, 1))
+    # a head wider than the kernel takes runs the definition
+    assert fused.FORWARD_TARGET not in jax.jit(
+        lambda x: fused.causal_attention(x, 1, 2, 1)).lower(wide).as_text()
+    x = jnp.ones((4, 8), jnp.float32)
+    with pytest.raises(Exception, match="operand shapes do not match"):
+        jax.block_until_ready(fused._norm_forward_call(x, jnp.ones(7), jnp.ones(8)))
 
 
 _CHILD = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from pipeline import attention
+from pipeline import fused
 from workers import native
-backend = native.install_attention()
+backend = native.install_fused()
 out = {"backend": backend, "cpus": len(__import__("os").sched_getaffinity(0))}
 if backend == "fused":
     r = np.random.default_rng(3)
     b, t, h, dh = 8, 64, 4, 32
     qkv = jnp.asarray(r.standard_normal((b * t, 3 * h * dh)).astype(np.float32))
     w = jnp.asarray(r.standard_normal((b * t, h * dh)).astype(np.float32))
-    g = jax.jit(jax.grad(lambda x: jnp.sum(attention.causal(x, b, t, h) * w)))(qkv)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(fused.causal_attention(x, b, t, h) * w)))(qkv)
     out["grad"] = np.asarray(g).tobytes().hex()
+    x = jnp.asarray(r.standard_normal((1000, 96)).astype(np.float32))
+    gb = jnp.asarray(r.standard_normal((2, 96)).astype(np.float32))
+    gn = jax.jit(jax.grad(lambda x, g, b: jnp.sum(fused.layer_norm(x, g, b) ** 3),
+                          argnums=(0, 1, 2)))(x, gb[0], gb[1])
+    out["norm_grad"] = b"".join(np.asarray(a).tobytes() for a in gn).hex()
 print(json.dumps(out))
 """
 
@@ -153,27 +197,28 @@ def test_results_do_not_depend_on_the_thread_count():
     assert one["backend"] == every["backend"] == "fused"
     assert one["cpus"] == 1 and every["cpus"] >= 2
     assert one["grad"] == every["grad"]  # bit for bit
+    assert one["norm_grad"] == every["norm_grad"]
 
 
 def test_without_a_compiler_or_when_turned_off_xla_runs_the_definition(tmp_path):
-    off = _child({"DILOCO_ATTENTION": "xla"})
+    off = _child({"DILOCO_FUSED": "xla"})
     assert off["backend"] == "xla"
     missing = tmp_path / "no-such-compiler"
     none = _child({"CXX": str(missing), "DILOCO_KERNEL_CACHE": str(tmp_path / "cache")})
     assert none["backend"] == "xla"
-    assert "attention runs as XLA's operations" in none["stderr"]
+    assert "attention and layer norms run as XLA's operations" in none["stderr"]
 
 
 def test_a_multi_device_island_traces_the_definition():
-    """XLA's partitioner cannot split the kernel's call: an island of several devices traces
-    the JAX definition, one device the kernel."""
+    """XLA's partitioner cannot split the kernels' calls: an island of several devices traces
+    the JAX definitions, one device the kernels."""
     code = """
 import jax, numpy as np
-from pipeline import attention, config as cfgmod
+from pipeline import config as cfgmod, fused
 from pipeline.mesh import Placement
 from pipeline.task import task_of
 from workers import native
-print(native.install_attention())
+print(native.install_fused())
 cfg = cfgmod.override(cfgmod.RunConfig(), **{"model.seq_len": 16, "inner.batch_size": 4})
 task = task_of(cfg)
 opt = task.optimizer()
@@ -183,7 +228,7 @@ for n in (1, 2):
     state = pl.opt_state(opt.init(params))
     batch = pl.batch(np.zeros((4, 17), np.int32))
     text = pl.step(task, opt).lower(params, state, batch).as_text()
-    print(n, attention.FORWARD_TARGET in text)
+    print(n, fused.FORWARD_TARGET in text, fused.NORM_FORWARD_TARGET in text)
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -193,4 +238,4 @@ for n in (1, 2):
     lines = done.stdout.split()
     if lines[0] != "fused":
         pytest.skip("the kernel could not be built here")
-    assert lines[1:] == ["1", "True", "2", "False"]
+    assert lines[1:] == ["1", "True", "True", "2", "False", "False"]

@@ -1,8 +1,8 @@
-// Fused causal self-attention for XLA's CPU backend, called through the XLA FFI
-// (`pipeline/attention.py` defines the operation and holds the JAX definition it must match;
-// `workers/native.py` compiles this file and registers the two targets).
+// Fused kernels for XLA's CPU backend, called through the XLA FFI (`pipeline/fused.py`
+// defines the operations and holds the JAX definitions they must match; `workers/native.py`
+// compiles this file and registers the targets): causal self-attention and layer norm.
 //
-// Both take the packed projection `qkv`, f32[b*t, 3*d] laid out as [b, t, 3, h, dh] (the
+// Attention. Both targets take the packed projection `qkv`, f32[b*t, 3*d] laid out as [b, t, 3, h, dh] (the
 // model's `y @ W_qkv`), and work on one (batch row, head) slice at a time:
 //
 //   diloco_attention_fwd(qkv) -> (y f32[b*t, d] laid out as [b, t, h, dh],
@@ -15,8 +15,19 @@
 // ds_ij = p_ij (dy_i . v_j - dy_i . y_i), dq_i = scale sum_j ds_ij k_j,
 // dk_j += scale ds_ij q_i and dv_j += p_ij dy_i.
 //
-// Slices run on XLA's intra-op thread pool; each slice is computed by one thread in one fixed
-// order, so the results do not depend on the number of threads.
+// Layer norm over the last axis of x f32[n, d], as mu = mean(x), var = mean((x - mu)^2),
+// y = (x - mu) rsqrt(var + eps) g + b:
+//
+//   diloco_layer_norm_fwd(x, g, b) -> (y f32[n, d], rstd f32[n])
+//   diloco_layer_norm_bwd(x, g, rstd, dy) -> (dx f32[n, d], dg f32[d], db f32[d])
+//
+// with xhat = (x - mu) rstd, dx = rstd (dy g - mean(dy g) - xhat mean(dy g xhat)),
+// dg = sum over rows of dy xhat, db = sum of dy (the backward pass recomputes mu).
+//
+// Work runs on XLA's intra-op thread pool in pieces of a fixed size (a slice, or a block of
+// rows); each piece is computed by one thread in one fixed order, and the column sums of the
+// layer norm's backward pass add the blocks' partial sums in block order, so the results do
+// not depend on the number of threads.
 
 #include <algorithm>
 #include <atomic>
@@ -337,6 +348,112 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& f) {
   while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+constexpr int64_t kNormRows = 64;  // rows per block of the layer norm
+
+// sum of a[c] * b[c] (b = nullptr: of a[c]) over c < d, in 16 lanes, then across them
+inline float lane_sum(const float* a, const float* b, int64_t d) {
+  v16 acc = {};
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) acc += b ? load16(a + c) * load16(b + c) : load16(a + c);
+  float sum = 0.0f;
+  for (int u = 0; u < 16; ++u) sum += acc[u];
+  for (; c < d; ++c) sum += b ? a[c] * b[c] : a[c];
+  return sum;
+}
+
+void layer_norm_block(const float* x, const float* g, const float* b, float* y, float* rstd,
+                      int64_t d, float eps, int64_t r0, int64_t r1) {
+  std::vector<float>& buf = scratch(d);
+  float* xc = buf.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * d;
+    const float mu = lane_sum(xr, nullptr, d) / static_cast<float>(d);
+    for (int64_t c = 0; c < d; ++c) xc[c] = xr[c] - mu;
+    const float rs = 1.0f / std::sqrt(lane_sum(xc, xc, d) / static_cast<float>(d) + eps);
+    float* yr = y + r * d;
+    for (int64_t c = 0; c < d; ++c) yr[c] = xc[c] * rs * g[c] + b[c];
+    rstd[r] = rs;
+  }
+}
+
+// dx for rows r0 .. r1, and that block's column sums of dy xhat and dy into pg, pb
+void layer_norm_grad_block(const float* x, const float* g, const float* rstd, const float* dy,
+                           float* dx, float* pg, float* pb, int64_t d, int64_t r0, int64_t r1) {
+  std::fill(pg, pg + d, 0.0f);
+  std::fill(pb, pb + d, 0.0f);
+  std::vector<float>& buf = scratch(2 * d);
+  float* xhat = buf.data();
+  float* gy = xhat + d;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * d;
+    const float* dyr = dy + r * d;
+    const float mu = lane_sum(xr, nullptr, d) / static_cast<float>(d), rs = rstd[r];
+    for (int64_t c = 0; c < d; ++c) {
+      xhat[c] = (xr[c] - mu) * rs;
+      gy[c] = dyr[c] * g[c];
+      pg[c] += dyr[c] * xhat[c];
+      pb[c] += dyr[c];
+    }
+    const float m1 = lane_sum(gy, nullptr, d) / static_cast<float>(d);
+    const float m2 = lane_sum(gy, xhat, d) / static_cast<float>(d);
+    float* dxr = dx + r * d;
+    for (int64_t c = 0; c < d; ++c) dxr[c] = rs * (gy[c] - m1 - xhat[c] * m2);
+  }
+}
+
+ffi::Error layer_norm_fwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> b,
+                               ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> rstd,
+                               float eps) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] < 1)
+    return ffi::Error::InvalidArgument("layer norm: x must be 2-D with a non-empty last axis");
+  const int64_t n = dims[0], d = dims[1];
+  if (g.element_count() != d || b.element_count() != d || y->element_count() != n * d ||
+      rstd->element_count() != n)
+    return ffi::Error::InvalidArgument("layer norm: operand shapes do not match x");
+  const float *xp = x.typed_data(), *gp = g.typed_data(), *bp = b.typed_data();
+  float *yp = y->typed_data(), *rp = rstd->typed_data();
+  const int64_t blocks = (n + kNormRows - 1) / kNormRows;
+  parallel_for(pool, blocks, [&](int64_t k) {
+    layer_norm_block(xp, gp, bp, yp, rp, d, eps, k * kNormRows,
+                     std::min(n, (k + 1) * kNormRows));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error layer_norm_bwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> rstd,
+                               ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dx,
+                               ffi::ResultBuffer<ffi::F32> dg, ffi::ResultBuffer<ffi::F32> db) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] < 1)
+    return ffi::Error::InvalidArgument("layer norm: x must be 2-D with a non-empty last axis");
+  const int64_t n = dims[0], d = dims[1];
+  if (g.element_count() != d || rstd.element_count() != n || dy.element_count() != n * d ||
+      dx->element_count() != n * d || dg->element_count() != d || db->element_count() != d)
+    return ffi::Error::InvalidArgument("layer norm: operand shapes do not match x");
+  const int64_t blocks = (n + kNormRows - 1) / kNormRows;
+  std::vector<float> partial(2 * blocks * d);  // each block's column sums, added in order
+  const float *xp = x.typed_data(), *gp = g.typed_data(), *rp = rstd.typed_data(),
+              *dyp = dy.typed_data();
+  float* dxp = dx->typed_data();
+  parallel_for(pool, blocks, [&](int64_t k) {
+    layer_norm_grad_block(xp, gp, rp, dyp, dxp, partial.data() + 2 * k * d,
+                          partial.data() + (2 * k + 1) * d, d, k * kNormRows,
+                          std::min(n, (k + 1) * kNormRows));
+  });
+  float *dgp = dg->typed_data(), *dbp = db->typed_data();
+  std::fill(dgp, dgp + d, 0.0f);
+  std::fill(dbp, dbp + d, 0.0f);
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t c = 0; c < d; ++c) {
+      dgp[c] += partial[2 * k * d + c];
+      dbp[c] += partial[(2 * k + 1) * d + c];
+    }
+  return ffi::Error::Success();
+}
+
 ffi::Error check(const Dims& D, int64_t rows, int64_t cols) {
   if (D.b < 1 || D.t < 1 || D.h < 1)
     return ffi::Error::InvalidArgument("attention: b, t and h must be positive");
@@ -432,3 +549,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoAttentionBwd, backward_impl,
                                   .Attr<int64_t>("b")
                                   .Attr<int64_t>("t")
                                   .Attr<int64_t>("h"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoLayerNormFwd, layer_norm_fwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoLayerNormBwd, layer_norm_bwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

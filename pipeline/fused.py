@@ -1,0 +1,180 @@
+"""Fused CPU kernels of the default model's causal attention and layer norm: the definitions
+in JAX, and the slot for the compiled kernels.
+
+`causal_attention(qkv, b, t, h)` takes the packed projection ``qkv`` (``[b·t, 3·d]``, laid out as
+``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' outputs as
+``[b·t, d]`` (laid out ``[b, t, h, d/h]``, ready for the output projection). `reference` is
+the definition, in JAX: scores ``q·k/√(d/h)`` with the causal mask added as a bias, a row
+softmax, and the weighted sum of values. `layer_norm(x, g, b)` normalises the last axis of a
+``[n, d]`` matrix (`layer_norm_reference`: mean, variance, ``(x − μ)/√(σ² + 1e-5)·g + b``).
+
+XLA's CPU backend runs attention as separate batched products of ``[t, d/h]`` blocks, a
+softmax over the full ``t × t`` scores (half of them masked), and transposes between the
+layouts — in the default model's step about a third of the time — and a layer norm as several
+loops with their reductions (~10 %). `workers/native.py` compiles `workers/fused.cc` — for
+attention one pass per (batch row, head) that computes only the causal half, keeps a row's
+scores in registers and recomputes them in the backward pass from each row's log-sum-exp; for
+the layer norm one pass per row each way — registers its XLA FFI targets and calls `install`.
+From then on both run the kernels (each wrapped in a `jax.custom_vjp`) wherever they can:
+float32 operands, the CPU backend, outside `unfused()`. Everywhere else they are the
+definitions: without a C++ compiler, with ``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a
+multi-device island (`pipeline.mesh.Placement`, whose partitioner cannot split a foreign
+call). Kernel and definition agree to float32 rounding (tests/test_fused.py checks values and
+gradients), not bit for bit; the kernels' results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORWARD_TARGET = "diloco_attention_fwd"
+BACKWARD_TARGET = "diloco_attention_bwd"
+NORM_FORWARD_TARGET = "diloco_layer_norm_fwd"
+NORM_BACKWARD_TARGET = "diloco_layer_norm_bwd"
+# the symbol each target's handler has in the compiled library
+SYMBOLS = {FORWARD_TARGET: "DilocoAttentionFwd", BACKWARD_TARGET: "DilocoAttentionBwd",
+           NORM_FORWARD_TARGET: "DilocoLayerNormFwd", NORM_BACKWARD_TARGET: "DilocoLayerNormBwd"}
+LAYER_NORM_EPS = 1e-5
+
+_installed = False
+_local = threading.local()  # .off: the depth of `unfused()` on this thread
+
+
+def install() -> None:
+    """Use the fused kernels from now on; their FFI targets must be registered for the CPU
+    platform under the names in `SYMBOLS` (`workers.native` does both)."""
+    global _installed
+    _installed = True
+
+
+def uninstall() -> None:
+    global _installed
+    _installed = False
+
+
+def installed() -> bool:
+    return _installed
+
+
+@contextlib.contextmanager
+def unfused() -> Iterator[None]:
+    """Trace the definitions instead of the kernels inside this block (on this thread)."""
+    _local.off = getattr(_local, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _local.off -= 1
+
+
+def _use_kernel(*operands: jax.Array) -> bool:
+    return (_installed and not getattr(_local, "off", 0)
+            and all(x.dtype == jnp.float32 for x in operands)
+            and jax.default_backend() == "cpu")
+
+
+def attention_reference(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
+    """The definition (see the module docstring)."""
+    d = qkv.shape[-1] // 3
+    dh = d // h
+    q, k, v = qkv.reshape(b, t, 3, h, dh).transpose(2, 0, 3, 1, 4).reshape(3, b * h, t, dh)
+    causal_bias = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -1e30).astype(jnp.float32)
+    scale = np.float32(1 / np.sqrt(dh))
+    att = jax.nn.softmax(jnp.einsum("nqd,nkd->nqk", q, k) * scale + causal_bias, axis=-1)
+    y = jnp.einsum("nqk,nkd->nqd", att, v).reshape(b, h, t, dh)
+    return y.transpose(0, 2, 1, 3).reshape(b * t, d)
+
+
+def _attrs(b: int, t: int, h: int) -> dict[str, np.int64]:
+    return {"b": np.int64(b), "t": np.int64(t), "h": np.int64(h)}
+
+
+def _forward_call(qkv: jax.Array, b: int, t: int, h: int) -> tuple[jax.Array, jax.Array]:
+    d = qkv.shape[-1] // 3
+    out = (jax.ShapeDtypeStruct((b * t, d), jnp.float32),
+           jax.ShapeDtypeStruct((b * h * t,), jnp.float32))
+    return jax.ffi.ffi_call(FORWARD_TARGET, out, vmap_method="sequential")(
+        qkv, **_attrs(b, t, h))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _fused(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
+    return _forward_call(qkv, b, t, h)[0]
+
+
+def _fused_fwd(qkv, b, t, h):
+    y, lse = _forward_call(qkv, b, t, h)
+    return y, (qkv, y, lse)
+
+
+def _fused_bwd(b, t, h, res, dy):
+    qkv, y, lse = res
+    out = jax.ShapeDtypeStruct(qkv.shape, jnp.float32)
+    dqkv = jax.ffi.ffi_call(BACKWARD_TARGET, out, vmap_method="sequential")(
+        qkv, y, lse, dy.astype(jnp.float32), **_attrs(b, t, h))
+    return (dqkv,)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def causal_attention(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
+    """Causal self-attention of ``b`` sequences of ``t`` positions over ``h`` heads, from the
+    packed ``[b·t, 3·d]`` projection to ``[b·t, d]`` (see the module docstring)."""
+    if qkv.shape != (b * t, qkv.shape[-1]) or qkv.shape[-1] % (3 * h):
+        raise ValueError(f"attention: qkv of shape {qkv.shape} is not [b*t, 3*h*head_dim] "
+                         f"for b={b}, t={t}, h={h}")
+    if _use_kernel(qkv) and qkv.shape[-1] // (3 * h) <= 256:
+        return _fused(qkv, b, t, h)
+    return attention_reference(qkv, b, t, h)
+
+
+def layer_norm_reference(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    """The definition (see the module docstring)."""
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + LAYER_NORM_EPS) * g + b
+
+
+def _norm_forward_call(x: jax.Array, g: jax.Array, b: jax.Array):
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+           jax.ShapeDtypeStruct(x.shape[:1], jnp.float32))
+    return jax.ffi.ffi_call(NORM_FORWARD_TARGET, out, vmap_method="sequential")(
+        x, g, b, eps=np.float32(LAYER_NORM_EPS))
+
+
+@jax.custom_vjp
+def _fused_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    return _norm_forward_call(x, g, b)[0]
+
+
+def _fused_norm_fwd(x, g, b):
+    y, rstd = _norm_forward_call(x, g, b)
+    return y, (x, g, rstd)
+
+
+def _fused_norm_bwd(res, dy):
+    x, g, rstd = res
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+           jax.ShapeDtypeStruct(g.shape, jnp.float32),
+           jax.ShapeDtypeStruct(g.shape, jnp.float32))
+    return tuple(jax.ffi.ffi_call(NORM_BACKWARD_TARGET, out, vmap_method="sequential")(
+        x, g, rstd, dy.astype(jnp.float32)))
+
+
+_fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd)
+
+
+def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    """Layer norm over the last axis (see the module docstring); the kernel takes a ``[n, d]``
+    matrix and ``[d]`` scale and shift, any other shape runs the definition."""
+    if (x.ndim == 2 and g.shape == b.shape == x.shape[1:] and x.shape[1] > 0
+            and _use_kernel(x, g, b)):
+        return _fused_norm(x, g, b)
+    return layer_norm_reference(x, g, b)

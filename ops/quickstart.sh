@@ -34,6 +34,9 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# the compiled kernels, built once into ~/.cache/diloco (the processes would build them at their
+# first start otherwise: several learners starting at once would each run the compilers)
+"$PY" -c 'from workers import native; native.build()' || true
 
 case "$what" in
   run)  exec .venv/bin/diloco run "$@" ;;

@@ -42,6 +42,15 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_built():
+    """The compiled kernels in the cache before any test starts processes that would each
+    build them at once (what `ops/quickstart.sh` does after installing)."""
+    from workers import native
+
+    native.build()
+
+
 @pytest.fixture(autouse=True)
 def _unfused():
     """Every test starts tracing attention and layer norms as their JAX definitions: a test

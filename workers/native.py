@@ -131,9 +131,11 @@ def install_fused() -> str:
     return _fused_backend
 
 
-def _register_fused() -> bool:
+def _fused_library() -> Path | None:
+    """The fused kernels' shared library, built first if needed; None (with the reason
+    logged) where it cannot be."""
     if os.environ.get(FUSED_ENV, "").lower() == "xla":
-        return False
+        return None
     import jax
     import jaxlib
 
@@ -142,13 +144,19 @@ def _register_fused() -> bool:
     if cxx is None:
         log.warning("no C++ compiler found: attention and layer norms run as XLA's operations "
                     "(slower; install g++)")
-        return False
+        return None
     flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}"]
     # the FFI headers come with jaxlib: a new jaxlib is a new build
-    lib = _compiled(f"fused-jaxlib{jaxlib.__version__}", _FUSED_SRC, cxx, flags,
-                    "attention and layer norms run as XLA's operations")
+    return _compiled(f"fused-jaxlib{jaxlib.__version__}", _FUSED_SRC, cxx, flags,
+                     "attention and layer norms run as XLA's operations")
+
+
+def _register_fused() -> bool:
+    lib = _fused_library()
     if lib is None:
         return False
+    import jax
+
     try:
         dll = ctypes.CDLL(str(lib))
         for target, symbol in fused.SYMBOLS.items():
@@ -159,3 +167,10 @@ def _register_fused() -> bool:
                     "operations", lib, err)
         return False
     return True
+
+
+def build() -> dict[str, bool]:
+    """Build both libraries into the cache now (where they are not there yet) without
+    installing either: what an installer runs, so that no process pays for the compilers at
+    its first start (several learners starting at once would each run them)."""
+    return {"merge": _build() is not None, "fused": _fused_library() is not None}

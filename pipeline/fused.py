@@ -1,12 +1,13 @@
 """Fused CPU kernels of the default model's causal attention and layer norm: the definitions
 in JAX, and the slot for the compiled kernels.
 
-`causal_attention(qkv, b, t, h)` takes the packed projection ``qkv`` (``[b·t, 3·d]``, laid out as
-``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' outputs as
-``[b·t, d]`` (laid out ``[b, t, h, d/h]``, ready for the output projection). `reference` is
-the definition, in JAX: scores ``q·k/√(d/h)`` with the causal mask added as a bias, a row
-softmax, and the weighted sum of values. `layer_norm(x, g, b)` normalises the last axis of a
-``[n, d]`` matrix (`layer_norm_reference`: mean, variance, ``(x − μ)/√(σ² + 1e-5)·g + b``).
+`causal_attention(qkv, b, t, h)` takes the packed projection ``qkv`` (``[b·t, 3·d]``, laid
+out as ``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' outputs as
+``[b·t, d]`` (laid out ``[b, t, h, d/h]``, ready for the output projection);
+`attention_reference` is the definition, in JAX: scores ``q·k/√(d/h)`` with the causal mask
+added as a bias, a row softmax, and the weighted sum of values. `layer_norm(x, g, b)`
+normalises the last axis of a ``[n, d]`` matrix (`layer_norm_reference`: mean, variance,
+``(x − μ)/√(σ² + 1e-5)·g + b``).
 
 XLA's CPU backend runs attention as separate batched products of ``[t, d/h]`` blocks, a
 softmax over the full ``t × t`` scores (half of them masked), and transposes between the
@@ -20,7 +21,9 @@ float32 operands, the CPU backend, outside `unfused()`. Everywhere else they are
 definitions: without a C++ compiler, with ``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a
 multi-device island (`pipeline.mesh.Placement`, whose partitioner cannot split a foreign
 call). Kernel and definition agree to float32 rounding (tests/test_fused.py checks values and
-gradients), not bit for bit; the kernels' results do not depend on the thread count.
+gradients), not bit for bit; the kernels' results do not depend on the thread count. The
+kernels have reverse-mode derivatives only (`jax.grad`, `jax.vjp`): forward mode (`jax.jvp`,
+`jax.jacfwd`) and second derivatives need the definitions (`unfused()`).
 """
 
 from __future__ import annotations
@@ -50,13 +53,20 @@ _local = threading.local()  # .off: the depth of `unfused()` on this thread
 def install() -> None:
     """Use the fused kernels from now on; their FFI targets must be registered for the CPU
     platform under the names in `SYMBOLS` (`workers.native` does both)."""
-    global _installed
-    _installed = True
+    _switch(True)
 
 
 def uninstall() -> None:
+    _switch(False)
+
+
+def _switch(on: bool) -> None:
+    """The choice is made when a function is traced, and JAX's caches of traced functions do
+    not know of it: a change empties them, so that nothing traced before runs after."""
     global _installed
-    _installed = False
+    if _installed != on:
+        _installed = on
+        jax.clear_caches()
 
 
 def installed() -> bool:
@@ -65,7 +75,10 @@ def installed() -> bool:
 
 @contextlib.contextmanager
 def unfused() -> Iterator[None]:
-    """Trace the definitions instead of the kernels inside this block (on this thread)."""
+    """Trace the definitions instead of the kernels inside this block (on this thread).
+
+    It acts when a function is traced: a jitted function already traced outside the block
+    runs what it traced (`pipeline.mesh.Placement` wraps its step's first call in it)."""
     _local.off = getattr(_local, "off", 0) + 1
     try:
         yield
@@ -127,10 +140,10 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def causal_attention(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
     """Causal self-attention of ``b`` sequences of ``t`` positions over ``h`` heads, from the
     packed ``[b·t, 3·d]`` projection to ``[b·t, d]`` (see the module docstring)."""
-    if qkv.shape != (b * t, qkv.shape[-1]) or qkv.shape[-1] % (3 * h):
+    if h < 1 or qkv.ndim != 2 or qkv.shape[0] != b * t or qkv.shape[-1] % (3 * h):
         raise ValueError(f"attention: qkv of shape {qkv.shape} is not [b*t, 3*h*head_dim] "
                          f"for b={b}, t={t}, h={h}")
-    if _use_kernel(qkv) and qkv.shape[-1] // (3 * h) <= 256:
+    if _use_kernel(qkv) and b * t > 0 and qkv.shape[-1] // (3 * h) <= 256:
         return _fused(qkv, b, t, h)
     return attention_reference(qkv, b, t, h)
 
@@ -174,7 +187,7 @@ _fused_norm.defvjp(_fused_norm_fwd, _fused_norm_bwd)
 def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
     """Layer norm over the last axis (see the module docstring); the kernel takes a ``[n, d]``
     matrix and ``[d]`` scale and shift, any other shape runs the definition."""
-    if (x.ndim == 2 and g.shape == b.shape == x.shape[1:] and x.shape[1] > 0
-            and _use_kernel(x, g, b)):
+    if (x.ndim == 2 and g.shape == b.shape == x.shape[1:] and x.shape[0] > 0
+            and x.shape[1] > 0 and _use_kernel(x, g, b)):
         return _fused_norm(x, g, b)
     return layer_norm_reference(x, g, b)

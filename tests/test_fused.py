@@ -30,6 +30,8 @@ def kernels():
     that no other test of this process traces them."""
     if not HAVE_CXX:
         pytest.skip("no C++ compiler on this machine: the kernel cannot be built")
+    if os.environ.get(native.FUSED_ENV, "").lower() == "xla":
+        pytest.skip(f"{native.FUSED_ENV}=xla turns the kernels off")
     assert native.install_fused() == "fused"  # a compiler is here: the build must work
     try:
         yield
@@ -37,21 +39,23 @@ def kernels():
         fused.uninstall()
 
 
-def _qkv(b, t, h, dh, seed=0):
+def _qkv(b, t, h, dh, seed=0, scale=1.0):
     r = np.random.default_rng(seed)
-    return (jnp.asarray(r.standard_normal((b * t, 3 * h * dh)).astype(np.float32)),
+    return (jnp.asarray((scale * r.standard_normal((b * t, 3 * h * dh))).astype(np.float32)),
             jnp.asarray(r.standard_normal((b * t, h * dh)).astype(np.float32)))
 
 
-# head dims with vector code (16, 32, 64) and without (3, 24); t that is not a multiple of
-# the kernel's 8-row or 16-column blocks; one position; one sequence
-SHAPES = [(1, 1, 1, 16), (2, 5, 2, 3), (2, 17, 2, 32), (3, 33, 1, 64), (2, 24, 3, 24),
-          (1, 130, 2, 32), (4, 128, 4, 32)]
+# head dims with vector code (16, 32, 64) and without (3, 24, 48, 128, 256: the widest it
+# takes); t that is not a multiple of the kernel's 8-row or 16-column blocks; one position;
+# one sequence; scores of spread ~64, where many of a row's weights underflow to 0 (scale 8)
+SHAPES = [(1, 1, 1, 16, 1.0), (2, 5, 2, 3, 1.0), (2, 17, 2, 32, 1.0), (3, 33, 1, 64, 1.0),
+          (2, 24, 3, 24, 1.0), (1, 130, 2, 32, 1.0), (4, 128, 4, 32, 1.0), (2, 19, 2, 48, 1.0),
+          (1, 40, 1, 128, 1.0), (1, 9, 1, 256, 1.0), (2, 50, 2, 32, 8.0), (1, 37, 1, 24, 8.0)]
 
 
-@pytest.mark.parametrize("b,t,h,dh", SHAPES)
-def test_kernel_matches_the_definition(kernels, b, t, h, dh):
-    qkv, w = _qkv(b, t, h, dh)
+@pytest.mark.parametrize("b,t,h,dh,scale", SHAPES)
+def test_kernel_matches_the_definition(kernels, b, t, h, dh, scale):
+    qkv, w = _qkv(b, t, h, dh, scale=scale)
 
     def loss(x):
         return jnp.sum(fused.causal_attention(x, b, t, h) * w)
@@ -64,11 +68,13 @@ def test_kernel_matches_the_definition(kernels, b, t, h, dh):
         y_ref = fused.causal_attention(qkv, b, t, h)
         g_ref = jax.grad(loss)(qkv)
         assert fused.FORWARD_TARGET not in jax.jit(jax.grad(loss)).lower(qkv).as_text()
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=2e-6)
-    scale = float(jnp.max(jnp.abs(g_ref)))
-    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=2e-6 * scale)
+    # large scores carry float32's rounding of the scores into the weights: a looser bound
+    tol = 1e-5 * scale**2
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=tol, atol=2e-6 * scale)
+    big = float(jnp.max(jnp.abs(g_ref)))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=10 * tol, atol=2e-6 * big)
     # the gradient reaches every part of qkv: q (not the first row's), k and v
-    assert float(jnp.min(jnp.max(jnp.abs(g), axis=0))) > 0 or t == 1
+    assert float(jnp.min(jnp.max(jnp.abs(g), axis=0))) > 0 or t == 1 or scale > 1
 
 
 @pytest.mark.parametrize("n,d", [(1, 1), (3, 5), (64, 128), (130, 128), (1000, 24)])

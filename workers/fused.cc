@@ -87,7 +87,7 @@ inline v16 exp16(v16 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return p * reinterpret_cast<const v16&>(bits);
+  return p * __builtin_bit_cast(v16, bits);
 }
 
 // Lanes j0 + lane < n: true.

@@ -54,8 +54,14 @@ def _cpu_key() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
+        # x86: the model and its feature flags; ARM: the implementer, part and features
+        keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+        seen: dict[str, str] = {}
+        for ln in text.splitlines():
+            name = ln.split(":", 1)[0].strip()
+            if name in keys and name not in seen:
+                seen[name] = ln
+        return "\n".join(seen[k] for k in keys if k in seen)
     except OSError:
         return platform.processor()
 

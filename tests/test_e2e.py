@@ -13,6 +13,7 @@ from ops.cluster.artifacts import load_checkpoint
 from pipeline import config as cfgmod
 from pipeline.data import run_corpus
 from pipeline.engine import Engine
+from workers import native
 
 TINY = {
     "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
@@ -73,6 +74,7 @@ def test_distributed_equals_inprocess_engine(tmp_path, redis_url, down):
     s = diloco("run", "--config", str(tmp_path / "eq.toml"), "--redis-url", redis_url,
                "--run", "eq", "--out", str(tmp_path / "runs"), "--json")
     dist, _ = load_checkpoint(tmp_path / "runs" / "eq" / "checkpoint.npz")
+    native.install_fused()  # the learner processes' kernels (or, without a compiler, neither)
     engine = Engine(cfg, run_corpus(cfg))
     summary = engine.run()
     assert summary["rounds"] == s["rounds"]

@@ -21,6 +21,7 @@ from ops.tools.replay import replay
 from pipeline import config as cfgmod
 from pipeline.data import run_corpus
 from pipeline.engine import Engine
+from workers import native
 
 TINY = {
     "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
@@ -86,6 +87,7 @@ def test_a_run_on_the_cluster_equals_the_inprocess_engine_and_replays(cluster, t
     assert sorted(s["learner_hashes"]) == ["L0", "L1", "L2"]
     assert len({json.dumps(h, sort_keys=True) for h in s["learner_hashes"].values()}) == 1
     dist, _ = load_checkpoint(tmp_path / "runs" / "onc" / "checkpoint.npz")
+    native.install_fused()  # the learner processes' kernels (or, without a compiler, neither)
     engine = Engine(cfg, run_corpus(cfg))
     summary = engine.run()
     assert summary["rounds"] == s["rounds"]

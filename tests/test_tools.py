@@ -270,6 +270,13 @@ def test_byte_series_and_round_normalisation():
     assert plots.normalize_round({"fragment": 0, "t": 1.0}) is None
 
 
+def test_a_bytes_plot_without_heartbeats_is_written_without_warnings(tmp_path):
+    """A run too short for a learner heartbeat has no byte series: the plot says so (no legend
+    of nothing: matplotlib warns, and the tests turn warnings into errors)."""
+    path = plots.plot_bytes({}, 0.0, tmp_path / "bytes.png", "a short run")
+    assert Path(path).stat().st_size > 0
+
+
 def test_round_outcomes_walk_past_the_first_page(finished):
     """Round record ids are versions; the walk back is bounded by close times, not ids."""
     r = redis.Redis.from_url(finished.url)

@@ -285,7 +285,11 @@ def plot_bytes(series: dict[str, dict[str, list[float]]], t0: float, path: Path,
     for a in (ax, axc):
         a.set_ylim(bottom=0)
         a.grid(alpha=0.3)
-        a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        if a.get_legend_handles_labels()[0]:  # a run too short for a heartbeat has none
+            a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if not series:
+        ax.text(0.5, 0.5, "no learner heartbeat with byte counters in this run",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
     return _save(fig, path)
 
 

@@ -45,6 +45,7 @@ NORM_BACKWARD_TARGET = "diloco_layer_norm_bwd"
 SYMBOLS = {FORWARD_TARGET: "DilocoAttentionFwd", BACKWARD_TARGET: "DilocoAttentionBwd",
            NORM_FORWARD_TARGET: "DilocoLayerNormFwd", NORM_BACKWARD_TARGET: "DilocoLayerNormBwd"}
 LAYER_NORM_EPS = 1e-5
+MAX_HEAD_DIM = 256  # the widest head the attention kernel takes (kMaxHeadDim in fused.cc)
 
 _installed = False
 _local = threading.local()  # .off: the depth of `unfused()` on this thread
@@ -67,10 +68,6 @@ def _switch(on: bool) -> None:
     if _installed != on:
         _installed = on
         jax.clear_caches()
-
-
-def installed() -> bool:
-    return _installed
 
 
 @contextlib.contextmanager
@@ -143,7 +140,7 @@ def causal_attention(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
     if h < 1 or qkv.ndim != 2 or qkv.shape[0] != b * t or qkv.shape[-1] % (3 * h):
         raise ValueError(f"attention: qkv of shape {qkv.shape} is not [b*t, 3*h*head_dim] "
                          f"for b={b}, t={t}, h={h}")
-    if _use_kernel(qkv) and b * t > 0 and qkv.shape[-1] // (3 * h) <= 256:
+    if _use_kernel(qkv) and b * t > 0 and qkv.shape[-1] // (3 * h) <= MAX_HEAD_DIM:
         return _fused(qkv, b, t, h)
     return attention_reference(qkv, b, t, h)
 

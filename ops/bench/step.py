@@ -104,6 +104,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     from pipeline.config import RunConfig
     from pipeline.task import n_params, task_of
     from pipeline.train import make_step
+    from workers import native
 
     cfg = RunConfig()
     mc = cfg.model
@@ -112,8 +113,6 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     a = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
     b = rng.standard_normal((N_MATMUL, N_MATMUL)).astype(np.float32)
     mm_flops = 2.0 * N_MATMUL**3
-    from workers import native
-
     out: dict[str, Any] = {"threads": len(os.sched_getaffinity(0)),
                            "matmul_n": N_MATMUL, "freed_memory": heap,
                            "fused_kernels": native.install_fused()}

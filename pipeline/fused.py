@@ -1,5 +1,5 @@
-"""Fused CPU kernels of the default model's causal attention and layer norm: the definitions
-in JAX, and the slot for the compiled kernels.
+"""Fused CPU kernels of the default model's causal attention, layer norm and projections'
+weight gradients: the definitions in JAX, and the slot for the compiled kernels.
 
 `causal_attention(qkv, b, t, h)` takes the packed projection ``qkv`` (``[b·t, 3·d]``, laid
 out as ``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' outputs as
@@ -7,7 +7,8 @@ out as ``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' 
 `attention_reference` is the definition, in JAX: scores ``q·k/√(d/h)`` with the causal mask
 added as a bias, a row softmax, and the weighted sum of values. `layer_norm(x, g, b)`
 normalises the last axis of a ``[n, d]`` matrix (`layer_norm_reference`: mean, variance,
-``(x − μ)/√(σ² + 1e-5)·g + b``).
+``(x − μ)/√(σ² + 1e-5)·g + b``). `dense(x, w)` is the projection ``x @ w``, whose weight
+gradient ``xᵀ @ dy`` — a product that sums over all ``b·t`` rows — is the kernel's.
 
 XLA's CPU backend runs attention as separate batched products of ``[t, d/h]`` blocks, a
 softmax over the full ``t × t`` scores (half of them masked), and transposes between the
@@ -15,13 +16,15 @@ layouts — in the default model's step about a third of the time — and a laye
 loops with their reductions (~10 %). `workers/native.py` compiles `workers/fused.cc` — for
 attention one pass per (batch row, head) that computes only the causal half, keeps a row's
 scores in registers and recomputes them in the backward pass from each row's log-sum-exp; for
-the layer norm one pass per row each way — registers its XLA FFI targets and calls `install`.
-From then on both run the kernels (each wrapped in a `jax.custom_vjp`) wherever they can:
-float32 operands, the CPU backend, outside `unfused()`. Everywhere else they are the
-definitions: without a C++ compiler, with ``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a
-multi-device island (`pipeline.mesh.Placement`, whose partitioner cannot split a foreign
-call). Kernel and definition agree to float32 rounding (tests/test_fused.py checks values and
-gradients), not bit for bit; the kernels' results do not depend on the thread count. The
+the layer norm one pass per row each way; for a weight gradient, blocks of the result summed
+in registers, the sum over rows cut into ranges (fixed by the shape) that the threads share
+— registers its XLA FFI targets and calls `install`. From then on all three run the kernels
+(each wrapped in a `jax.custom_vjp`) wherever they can: float32 operands, the CPU backend,
+outside `unfused()`. Everywhere else they are the definitions: without a C++ compiler, with
+``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a multi-device island
+(`pipeline.mesh.Placement`, whose partitioner cannot split a foreign call). Kernel and
+definition agree to float32 rounding (tests/test_fused.py checks values and gradients), not
+bit for bit; the kernels' results do not depend on the thread count. The
 kernels have reverse-mode derivatives only (`jax.grad`, `jax.vjp`): forward mode (`jax.jvp`,
 `jax.jacfwd`) and second derivatives need the definitions (`unfused()`).
 """
@@ -41,9 +44,11 @@ FORWARD_TARGET = "diloco_attention_fwd"
 BACKWARD_TARGET = "diloco_attention_bwd"
 NORM_FORWARD_TARGET = "diloco_layer_norm_fwd"
 NORM_BACKWARD_TARGET = "diloco_layer_norm_bwd"
+WEIGHT_GRAD_TARGET = "diloco_weight_grad"
 # the symbol each target's handler has in the compiled library
 SYMBOLS = {FORWARD_TARGET: "DilocoAttentionFwd", BACKWARD_TARGET: "DilocoAttentionBwd",
-           NORM_FORWARD_TARGET: "DilocoLayerNormFwd", NORM_BACKWARD_TARGET: "DilocoLayerNormBwd"}
+           NORM_FORWARD_TARGET: "DilocoLayerNormFwd", NORM_BACKWARD_TARGET: "DilocoLayerNormBwd",
+           WEIGHT_GRAD_TARGET: "DilocoWeightGrad"}
 LAYER_NORM_EPS = 1e-5
 MAX_HEAD_DIM = 256  # the widest head the attention kernel takes (kMaxHeadDim in fused.cc)
 
@@ -188,3 +193,37 @@ def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
             and x.shape[1] > 0 and _use_kernel(x, g, b)):
         return _fused_norm(x, g, b)
     return layer_norm_reference(x, g, b)
+
+
+def _weight_grad_call(x: jax.Array, dy: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[1], dy.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(WEIGHT_GRAD_TARGET, out, vmap_method="sequential")(x, dy)
+
+
+@jax.custom_vjp
+def _fused_dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    return x @ w
+
+
+def _fused_dense_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _fused_dense_bwd(res, dy):
+    x, w = res
+    dy = dy.astype(jnp.float32)
+    return dy @ w.T, _weight_grad_call(x, dy)
+
+
+_fused_dense.defvjp(_fused_dense_fwd, _fused_dense_bwd)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The projection ``x @ w`` of a ``[n, k]`` matrix by a ``[k, m]`` one. Its value and the
+    input's gradient ``dy @ wᵀ`` are XLA's products; with the kernels installed, the weight's
+    gradient ``xᵀ @ dy`` (a sum over the n rows) is the kernel's. Other shapes and dtypes run
+    ``x @ w`` as it is."""
+    if (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[0] and x.size and w.size
+            and _use_kernel(x, w)):
+        return _fused_dense(x, w)
+    return x @ w

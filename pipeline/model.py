@@ -68,20 +68,22 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     The residual stream is kept as one ``[batch·time, d_model]`` matrix, so every projection
     and its gradients are plain 2-D matrix products (XLA's CPU backend runs the backward pass of
     a 3-D activation times a matrix — a contraction over two dimensions — about half as
-    fast). Attention and the layer norms are `pipeline.fused`'s (fused kernels on CPUs where
-    they are installed). ``diloco bench step`` measures the step against the machine.
+    fast). Attention, the layer norms and the projections' weight gradients are
+    `pipeline.fused`'s (fused kernels on CPUs where they are installed). ``diloco bench step``
+    measures the step against the machine.
     """
     b, t = tokens.shape
+    dense = fused.dense
     x = (params["wte"][tokens] + params["wpe"][:t]).reshape(b * t, cfg.d_model)
     for i in range(cfg.n_layers):
         p = f"h{i}."
         y = fused.layer_norm(x, params[p + "ln1.g"], params[p + "ln1.b"])
-        y = fused.causal_attention(y @ params[p + "attn.qkv"], b, t, cfg.n_heads)
-        x = x + y @ params[p + "attn.proj"]
+        y = fused.causal_attention(dense(y, params[p + "attn.qkv"]), b, t, cfg.n_heads)
+        x = x + dense(y, params[p + "attn.proj"])
         y = fused.layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
-        x = x + jax.nn.gelu(y @ params[p + "mlp.fc"]) @ params[p + "mlp.proj"]
+        x = x + dense(jax.nn.gelu(dense(y, params[p + "mlp.fc"])), params[p + "mlp.proj"])
     x = fused.layer_norm(x, params["lnf.g"], params["lnf.b"])
-    return (x @ params["wte"].T).reshape(b, t, -1)
+    return dense(x, params["wte"].T).reshape(b, t, -1)
 
 
 def loss_and_accuracy(params: Params, batch: jax.Array, cfg: ModelConfig):

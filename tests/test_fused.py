@@ -1,7 +1,7 @@
-"""The fused attention and layer-norm kernels (`workers/fused.cc`, `pipeline/fused.py`): the
-same values and gradients as the JAX definitions, in a whole training step too; results that
-do not depend on the thread count; refusals of bad shapes; the fallbacks (no compiler,
-``DILOCO_FUSED=xla``, a multi-device island)."""
+"""The fused kernels (`workers/fused.cc`, `pipeline/fused.py`: attention, layer norm, the
+projections' weight gradient): the same values and gradients as the JAX definitions, in a
+whole training step too; results that do not depend on the thread count; refusals of bad
+shapes; the fallbacks (no compiler, ``DILOCO_FUSED=xla``, a multi-device island)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,50 @@ def test_layer_norm_of_other_shapes_runs_the_definition(kernels):
         x[0], g, b).as_text()
 
 
+# (k, m, n): one element; edges of the 8-row parts and 32-column panels; k in several chunks,
+# with a short last one; two column groups and two k ranges (the step's qkv projection); k
+# ranges whose rounding leaves the last one short or empty; three column groups; k = 0
+GRAM_SHAPES = [(1, 1, 1), (5, 3, 7), (300, 65, 33), (2048, 128, 384), (513, 130, 70),
+               (1030, 8, 40), (700, 12, 200), (600, 9, 600), (0, 3, 4)]
+
+
+@pytest.mark.parametrize("k,m,n", GRAM_SHAPES)
+def test_weight_gradient_kernel_matches_the_product(kernels, k, m, n):
+    r = np.random.default_rng(k + m + n)
+    a = r.standard_normal((k, m)).astype(np.float32)
+    b = r.standard_normal((k, n)).astype(np.float32)
+    got = np.asarray(jax.jit(fused._weight_grad_call)(jnp.asarray(a), jnp.asarray(b)))
+    want = a.astype(np.float64).T @ b.astype(np.float64)
+    assert got.shape == (m, n)
+    # float32 sums of k products of unit normals: error ~ sqrt(k) ulps of the terms
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(k, 1))
+
+
+def test_dense_gradients_match_the_definition(kernels):
+    r = np.random.default_rng(7)
+    x = jnp.asarray(r.standard_normal((96, 40)).astype(np.float32))
+    w = jnp.asarray(r.standard_normal((40, 72)).astype(np.float32))
+    t = jnp.asarray(r.standard_normal((96, 72)).astype(np.float32))
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(fused.dense(x, w)) * t)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert fused.WEIGHT_GRAD_TARGET in jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        x, w).as_text()
+    with fused.unfused():
+        assert fused.WEIGHT_GRAD_TARGET not in jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+            x, w).as_text()
+        want = jax.grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(fused.dense(x, w)), np.asarray(x @ w))
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # a product of other ranks runs as it is
+    x3 = x.reshape(2, 48, 40)
+    assert fused.WEIGHT_GRAD_TARGET not in jax.jit(jax.grad(
+        lambda x: jnp.sum(fused.dense(x, w)))).lower(x3).as_text()
+
+
 def test_a_training_step_matches_the_definition(kernels):
     from pipeline import config as cfgmod
     from pipeline.task import task_of
@@ -158,6 +202,8 @@ def test_bad_shapes_are_refused(kernels):
     x = jnp.ones((4, 8), jnp.float32)
     with pytest.raises(Exception, match="operand shapes do not match"):
         jax.block_until_ready(fused._norm_forward_call(x, jnp.ones(7), jnp.ones(8)))
+    with pytest.raises(Exception, match="weight gradient: a must be"):
+        jax.block_until_ready(fused._weight_grad_call(x, jnp.ones((5, 3), jnp.float32)))
 
 
 _CHILD = """
@@ -179,6 +225,8 @@ if backend == "fused":
     gn = jax.jit(jax.grad(lambda x, g, b: jnp.sum(fused.layer_norm(x, g, b) ** 3),
                           argnums=(0, 1, 2)))(x, gb[0], gb[1])
     out["norm_grad"] = b"".join(np.asarray(a).tobytes() for a in gn).hex()
+    a, d = (jnp.asarray(r.standard_normal((1500, c)).astype(np.float32)) for c in (72, 200))
+    out["weight_grad"] = np.asarray(jax.jit(fused._weight_grad_call)(a, d)).tobytes().hex()
 print(json.dumps(out))
 """
 
@@ -204,6 +252,7 @@ def test_results_do_not_depend_on_the_thread_count():
     assert one["cpus"] == 1 and every["cpus"] >= 2
     assert one["grad"] == every["grad"]  # bit for bit
     assert one["norm_grad"] == every["norm_grad"]
+    assert one["weight_grad"] == every["weight_grad"]
 
 
 def test_without_a_compiler_or_when_turned_off_xla_runs_the_definition(tmp_path):
@@ -234,7 +283,8 @@ for n in (1, 2):
     state = pl.opt_state(opt.init(params))
     batch = pl.batch(np.zeros((4, 17), np.int32))
     text = pl.step(task, opt).lower(params, state, batch).as_text()
-    print(n, fused.FORWARD_TARGET in text, fused.NORM_FORWARD_TARGET in text)
+    print(n, fused.FORWARD_TARGET in text, fused.NORM_FORWARD_TARGET in text,
+          fused.WEIGHT_GRAD_TARGET in text)
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -244,4 +294,4 @@ for n in (1, 2):
     lines = done.stdout.split()
     if lines[0] != "fused":
         pytest.skip("the kernel could not be built here")
-    assert lines[1:] == ["1", "True", "True", "2", "False", "False"]
+    assert lines[1:] == ["1", "True", "True", "True", "2", "False", "False", "False"]

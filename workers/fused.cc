@@ -1,6 +1,7 @@
 // Fused kernels for XLA's CPU backend, called through the XLA FFI (`pipeline/fused.py`
 // defines the operations and holds the JAX definitions they must match; `workers/native.py`
-// compiles this file and registers the targets): causal self-attention and layer norm.
+// compiles this file and registers the targets): causal self-attention, layer norm, and the
+// weight gradient of a projection.
 //
 // Attention. Both targets take the packed projection `qkv`, f32[b*t, 3*d] laid out as [b, t, 3, h, dh] (the
 // model's `y @ W_qkv`), and work on one (batch row, head) slice at a time:
@@ -68,7 +69,8 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 typedef int32_t vi16 __attribute__((vector_size(64)));
 const vi16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-inline v16 splat(float x) { return v16{} + x; }
+// All lanes x (as a broadcast: `v16{} + x` would add 0 first, one more instruction each time)
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // e^x lane by lane for x <= ~0 (a score less its row's maximum or log-sum-exp), to ~2 ulp
 // (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, 2^n from the exponent bits).
@@ -454,6 +456,138 @@ ffi::Error layer_norm_bwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The weight gradient of a projection y = x W, dW = x^T dy: c f32[m, n] = a^T b for
+// a f32[k, m] and b f32[k, n]. The work is cut by shape alone (never by the thread count): c's
+// columns into groups of at most kGroup, and k into `splits` ranges where c is small enough to
+// keep a partial sum per range (so that a short, wide-k product still has several tasks).
+// A task walks its k range in chunks of kChunk, copying the chunk's rows of a and b into
+// buffers laid out in the order the arithmetic reads them (a in parts of 8 of c's rows, b in
+// panels of 32 columns; zero-padded at c's edges), and adds each 8 x 32 block of c's partial
+// sum as 16 vectors kept in registers while the chunk runs: a row of a (broadcast) times a row
+// of b per k. Each element of a range's partial sum is one sequential sum in k order, and the
+// ranges' partial sums are added in range order: the result does not depend on the number of
+// threads.
+constexpr int64_t kPanel = 32;   // columns of c per block (two vectors)
+constexpr int64_t kGroup = 256;  // columns of c per task, at most
+constexpr int64_t kChunk = 64;   // rows of a and b copied at a time
+constexpr int64_t kRowBlock = 256;  // rows of c per copied block of a
+constexpr int64_t kSplitMin = 256;  // fewest rows of a and b per k range
+constexpr int64_t kPartialFloats = int64_t{4} << 20;  // the partial sums' buffer, at most
+#ifdef __AVX512F__
+constexpr int kPartM = 8;  // 16 accumulators of the 32 vector registers
+#else
+constexpr int kPartM = 4;  // a v16 is two or four registers: fewer rows, fewer spills
+#endif
+
+// c[r * ldc + 0 .. 32) += sum over i < kc of a[i * kPartM + r] * b[i * kPanel + 0 .. 32) for
+// r < kPartM, in i order, the sums kept in vector registers while i runs
+inline void gram_block(const float* a, const float* b, int64_t kc, float* c, int64_t ldc) {
+  v16 s[kPartM][2];
+  for (int r = 0; r < kPartM; ++r) {
+    s[r][0] = load16(c + r * ldc);
+    s[r][1] = load16(c + r * ldc + 16);
+  }
+  for (int64_t i = 0; i < kc; ++i) {
+    const v16 b0 = load16(b + i * kPanel), b1 = load16(b + i * kPanel + 16);
+    for (int r = 0; r < kPartM; ++r) {
+      const v16 x = splat(a[i * kPartM + r]);
+      s[r][0] += x * b0;
+      s[r][1] += x * b1;
+    }
+  }
+  for (int r = 0; r < kPartM; ++r) {
+    store16(c + r * ldc, s[r][0]);
+    store16(c + r * ldc + 16, s[r][1]);
+  }
+}
+
+// out[r * n + j] = sum over k0 <= i < k1 of a[i * m + r] * b[i * n + n0 + j], r < m, j < nw
+void gram_task(const float* a, const float* b, int64_t m, int64_t n, int64_t k0, int64_t k1,
+               int64_t n0, int64_t nw, float* out) {
+  const int64_t panels = (nw + kPanel - 1) / kPanel, wp = panels * kPanel;
+  const int64_t mp = (m + kPartM - 1) / kPartM * kPartM;
+  const int64_t rb = std::min(kRowBlock, mp);
+  std::vector<float>& buf = scratch(mp * wp + kChunk * (wp + rb));
+  float* acc = buf.data();     // [mp][wp]
+  float* bp = acc + mp * wp;   // [panels][kChunk][kPanel]
+  float* ap = bp + kChunk * wp;  // [rb / kPartM][kChunk][kPartM]
+  std::fill(acc, acc + mp * wp, 0.0f);
+  std::fill(bp, bp + kChunk * wp, 0.0f);
+  std::fill(ap, ap + kChunk * rb, 0.0f);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k1 - c0);
+    for (int64_t i = 0; i < kc; ++i) {
+      const float* row = b + (c0 + i) * n + n0;
+      for (int64_t j = 0; j < panels; ++j) {
+        float* dst = bp + (j * kChunk + i) * kPanel;
+        if (nw - j * kPanel >= kPanel) {
+          store16(dst, load16(row + j * kPanel));
+          store16(dst + 16, load16(row + j * kPanel + 16));
+        } else {
+          std::memcpy(dst, row + j * kPanel, (nw - j * kPanel) * sizeof(float));
+        }
+      }
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+      const int64_t rw = std::min(rb, m - r0), parts = (rw + kPartM - 1) / kPartM;
+      for (int64_t i = 0; i < kc; ++i) {
+        const float* row = a + (c0 + i) * m + r0;
+        for (int64_t p = 0; p < parts; ++p) {
+          float* dst = ap + (p * kChunk + i) * kPartM;
+          if (rw - p * kPartM >= kPartM)
+            std::memcpy(dst, row + p * kPartM, kPartM * sizeof(float));
+          else
+            std::memcpy(dst, row + p * kPartM, (rw - p * kPartM) * sizeof(float));
+        }
+      }
+      for (int64_t j = 0; j < panels; ++j)
+        for (int64_t p = 0; p < parts; ++p)
+          gram_block(ap + p * kChunk * kPartM, bp + j * kChunk * kPanel, kc,
+                     acc + (r0 + p * kPartM) * wp + j * kPanel, wp);
+    }
+  }
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(out + r * n, acc + r * wp, nw * sizeof(float));
+}
+
+ffi::Error gram_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                     ffi::ResultBuffer<ffi::F32> c) {
+  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dc.size() != 2 || da[0] != db[0] ||
+      dc[0] != da[1] || dc[1] != db[1])
+    return ffi::Error::InvalidArgument(
+        "weight gradient: a must be [k, m], b [k, n] and the result [m, n]");
+  const int64_t k = da[0], m = da[1], n = db[1];
+  const float *ap = a.typed_data(), *bp = b.typed_data();
+  float* cp = c->typed_data();
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (panels * kPanel + kGroup - 1) / kGroup;
+  const int64_t gw = (panels + groups - 1) / groups * kPanel;  // equal groups of panels
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(4 / groups, k / kSplitMin));
+  while (splits > 1 && (splits - 1) * m * n > kPartialFloats) --splits;
+  const int64_t klen = ((k + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
+  std::vector<float> partial((splits - 1) * m * n);
+  parallel_for(pool, splits * groups, [&](int64_t t) {
+    const int64_t s = t / groups, g = t % groups;
+    const int64_t k0 = std::min(k, s * klen), n0 = g * gw;
+    float* out = (s == 0 ? cp : partial.data() + (s - 1) * m * n) + n0;
+    gram_task(ap, bp, m, n, k0, std::min(k, k0 + klen), n0, std::min(gw, n - n0), out);
+  });
+  if (splits > 1) {
+    const int64_t blocks = (m + kNormRows - 1) / kNormRows;
+    parallel_for(pool, blocks, [&](int64_t i) {
+      for (int64_t r = i * kNormRows; r < std::min(m, (i + 1) * kNormRows); ++r)
+        for (int64_t s = 1; s < splits; ++s) {
+          const float* src = partial.data() + ((s - 1) * m + r) * n;
+          float* dst = cp + r * n;
+          for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+        }
+    });
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error check(const Dims& D, int64_t rows, int64_t cols) {
   if (D.b < 1 || D.t < 1 || D.h < 1)
     return ffi::Error::InvalidArgument("attention: b, t and h must be positive");
@@ -569,4 +703,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoLayerNormBwd, layer_norm_bwd_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoWeightGrad, gram_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -45,10 +45,13 @@ BACKWARD_TARGET = "diloco_attention_bwd"
 NORM_FORWARD_TARGET = "diloco_layer_norm_fwd"
 NORM_BACKWARD_TARGET = "diloco_layer_norm_bwd"
 WEIGHT_GRAD_TARGET = "diloco_weight_grad"
+GELU_FORWARD_TARGET = "diloco_gelu_fwd"
+GELU_BACKWARD_TARGET = "diloco_gelu_bwd"
 # the symbol each target's handler has in the compiled library
 SYMBOLS = {FORWARD_TARGET: "DilocoAttentionFwd", BACKWARD_TARGET: "DilocoAttentionBwd",
            NORM_FORWARD_TARGET: "DilocoLayerNormFwd", NORM_BACKWARD_TARGET: "DilocoLayerNormBwd",
-           WEIGHT_GRAD_TARGET: "DilocoWeightGrad"}
+           WEIGHT_GRAD_TARGET: "DilocoWeightGrad", GELU_FORWARD_TARGET: "DilocoGeluFwd",
+           GELU_BACKWARD_TARGET: "DilocoGeluBwd"}
 LAYER_NORM_EPS = 1e-5
 MAX_HEAD_DIM = 256  # the widest head the attention kernel takes (kMaxHeadDim in fused.cc)
 
@@ -227,3 +230,33 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
             and _use_kernel(x, w)):
         return _fused_dense(x, w)
     return x @ w
+
+
+def gelu_reference(x: jax.Array) -> jax.Array:
+    """The definition: GELU's tanh form, ``jax.nn.gelu(x, approximate=True)``."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+@jax.custom_vjp
+def _fused_gelu(x: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call(GELU_FORWARD_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")(x)
+
+
+def _fused_gelu_fwd(x):
+    return _fused_gelu(x), x
+
+
+def _fused_gelu_bwd(x, dy):
+    return (jax.ffi.ffi_call(GELU_BACKWARD_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                             vmap_method="sequential")(x, dy.astype(jnp.float32)),)
+
+
+_fused_gelu.defvjp(_fused_gelu_fwd, _fused_gelu_bwd)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU (tanh form) elementwise, of any shape (see the module docstring)."""
+    if x.size and _use_kernel(x):
+        return _fused_gelu(x)
+    return gelu_reference(x)

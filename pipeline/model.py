@@ -68,7 +68,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     The residual stream is kept as one ``[batch·time, d_model]`` matrix, so every projection
     and its gradients are plain 2-D matrix products (XLA's CPU backend runs the backward pass of
     a 3-D activation times a matrix — a contraction over two dimensions — about half as
-    fast). Attention, the layer norms and the projections' weight gradients are
+    fast). Attention, the layer norms, GELU and the projections' weight gradients are
     `pipeline.fused`'s (fused kernels on CPUs where they are installed). ``diloco bench step``
     measures the step against the machine.
     """
@@ -81,7 +81,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
         y = fused.causal_attention(dense(y, params[p + "attn.qkv"]), b, t, cfg.n_heads)
         x = x + dense(y, params[p + "attn.proj"])
         y = fused.layer_norm(x, params[p + "ln2.g"], params[p + "ln2.b"])
-        x = x + dense(jax.nn.gelu(dense(y, params[p + "mlp.fc"])), params[p + "mlp.proj"])
+        x = x + dense(fused.gelu(dense(y, params[p + "mlp.fc"])), params[p + "mlp.proj"])
     x = fused.layer_norm(x, params["lnf.g"], params["lnf.b"])
     return dense(x, params["wte"].T).reshape(b, t, -1)
 

@@ -1,5 +1,5 @@
 """The fused kernels (`workers/fused.cc`, `pipeline/fused.py`: attention, layer norm, the
-projections' weight gradient): the same values and gradients as the JAX definitions, in a
+projections' weight gradient, GELU): the same values and gradients as the JAX definitions, in a
 whole training step too; results that do not depend on the thread count; refusals of bad
 shapes; the fallbacks (no compiler, ``DILOCO_FUSED=xla``, a multi-device island)."""
 
@@ -154,6 +154,42 @@ def test_dense_gradients_match_the_definition(kernels):
         lambda x: jnp.sum(fused.dense(x, w)))).lower(x3).as_text()
 
 
+def test_gelu_kernel_matches_the_definition(kernels):
+    r = np.random.default_rng(11)
+    # a shape that is no multiple of 16 lanes or of the kernel's blocks; tails of both signs;
+    # values whose tanh saturates, whose cube overflows, and the edge values
+    body = 4 * r.standard_normal(40_000 - 11)
+    edges = [0.0, -0.0, 1e-8, -1e-8, 12.0, -12.0, 30.0, -30.0, 1e20, -1e20, np.inf]
+    x = np.concatenate([body, edges]).astype(np.float32).reshape(200, 200)
+    w = r.standard_normal(x.shape).astype(np.float32)
+
+    def loss(x):
+        return jnp.sum(fused.gelu(x) * w)
+
+    y = np.asarray(jax.jit(fused.gelu)(jnp.asarray(x)))
+    g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(x)))
+    assert fused.GELU_FORWARD_TARGET in jax.jit(fused.gelu).lower(x).as_text()
+    assert fused.GELU_BACKWARD_TARGET in jax.jit(jax.grad(loss)).lower(x).as_text()
+    with fused.unfused():
+        assert fused.GELU_FORWARD_TARGET not in jax.jit(lambda x: fused.gelu(x)).lower(x).as_text()
+        y_ref = np.asarray(fused.gelu(jnp.asarray(x)))
+    # against float64 (the definition's float32 tanh loses ~3e-4 relative where x is ~ -4)
+    X = x.astype(np.float64)
+    c = np.sqrt(2 / np.pi)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = np.tanh(c * (X + 0.044715 * X**3))
+        want_y = 0.5 * X * (1 + t)
+        want_g = w * (0.5 * (1 + t) + 0.5 * X * (1 - t * t) * c * (1 + 3 * 0.044715 * X * X))
+    fin = np.isfinite(want_y)
+    np.testing.assert_allclose(y[fin], want_y[fin], rtol=5e-6, atol=1e-6)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-3, atol=1e-6)
+    assert y.ravel()[-1] == np.inf and y.ravel()[-2] == 0.0  # gelu(inf), gelu(-1e20)
+    gfin = np.isfinite(want_g)
+    np.testing.assert_allclose(g[gfin], want_g[gfin], rtol=1e-5, atol=2e-6)
+    # a huge input's derivative is 1 (or 0), never 0 * inf
+    assert g.ravel()[-3] == w.ravel()[-3] and g.ravel()[-2] == 0.0
+
+
 def test_a_training_step_matches_the_definition(kernels):
     from pipeline import config as cfgmod
     from pipeline.task import task_of
@@ -202,6 +238,8 @@ def test_bad_shapes_are_refused(kernels):
     x = jnp.ones((4, 8), jnp.float32)
     with pytest.raises(Exception, match="operand shapes do not match"):
         jax.block_until_ready(fused._norm_forward_call(x, jnp.ones(7), jnp.ones(8)))
+    with pytest.raises(Exception, match="gelu: x, dy and the result"):
+        jax.block_until_ready(fused._fused_gelu_bwd(x, jnp.ones(3, jnp.float32)))
     with pytest.raises(Exception, match="weight gradient: a must be"):
         jax.block_until_ready(fused._weight_grad_call(x, jnp.ones((5, 3), jnp.float32)))
 
@@ -227,6 +265,8 @@ if backend == "fused":
     out["norm_grad"] = b"".join(np.asarray(a).tobytes() for a in gn).hex()
     a, d = (jnp.asarray(r.standard_normal((1500, c)).astype(np.float32)) for c in (72, 200))
     out["weight_grad"] = np.asarray(jax.jit(fused._weight_grad_call)(a, d)).tobytes().hex()
+    gg = jax.jit(jax.grad(lambda x: jnp.sum(fused.gelu(x) * d)))(d * 3)
+    out["gelu_grad"] = np.asarray(gg).tobytes().hex()
 print(json.dumps(out))
 """
 
@@ -253,6 +293,7 @@ def test_results_do_not_depend_on_the_thread_count():
     assert one["grad"] == every["grad"]  # bit for bit
     assert one["norm_grad"] == every["norm_grad"]
     assert one["weight_grad"] == every["weight_grad"]
+    assert one["gelu_grad"] == every["gelu_grad"]
 
 
 def test_without_a_compiler_or_when_turned_off_xla_runs_the_definition(tmp_path):
@@ -284,7 +325,7 @@ for n in (1, 2):
     batch = pl.batch(np.zeros((4, 17), np.int32))
     text = pl.step(task, opt).lower(params, state, batch).as_text()
     print(n, fused.FORWARD_TARGET in text, fused.NORM_FORWARD_TARGET in text,
-          fused.WEIGHT_GRAD_TARGET in text)
+          fused.WEIGHT_GRAD_TARGET in text, fused.GELU_FORWARD_TARGET in text)
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -294,4 +335,4 @@ for n in (1, 2):
     lines = done.stdout.split()
     if lines[0] != "fused":
         pytest.skip("the kernel could not be built here")
-    assert lines[1:] == ["1", "True", "True", "True", "2", "False", "False", "False"]
+    assert lines[1:] == ["1", *["True"] * 4, "2", *["False"] * 4]

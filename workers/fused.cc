@@ -1,7 +1,7 @@
 // Fused kernels for XLA's CPU backend, called through the XLA FFI (`pipeline/fused.py`
 // defines the operations and holds the JAX definitions they must match; `workers/native.py`
-// compiles this file and registers the targets): causal self-attention, layer norm, and the
-// weight gradient of a projection.
+// compiles this file and registers the targets): causal self-attention, layer norm, the
+// weight gradient of a projection, and GELU.
 //
 // Attention. Both targets take the packed projection `qkv`, f32[b*t, 3*d] laid out as [b, t, 3, h, dh] (the
 // model's `y @ W_qkv`), and work on one (batch row, head) slice at a time:
@@ -588,6 +588,84 @@ ffi::Error gram_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// GELU, tanh form (jax.nn.gelu's default): y = x (1 + tanh(u)) / 2 with
+// u = sqrt(2 / pi) (x + 0.044715 x^3), and its derivative
+// dy/dx = (1 + t) / 2 + x (1 - t^2) sqrt(2 / pi) (1 + 3 * 0.044715 x^2) / 2, t = tanh(u).
+// With e = e^(-2|u|) <= 1, 1 + t is 2 / (1 + e) for u >= 0 and 2e / (1 + e) below, and
+// 1 - t^2 = 4e / (1 + e)^2: no difference of nearly equal numbers, so a large negative x keeps
+// its small result. Elementwise, in blocks of kActBlock; a block's last partial vector goes
+// through a zero-padded copy.
+constexpr int64_t kActBlock = 1 << 14;
+constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
+
+// 1 + tanh(u) and 1 - tanh(u)^2
+inline void tanh_parts16(v16 u, v16* one_plus, v16* one_minus_sq) {
+  const v16 a = 2.0f * (u < 0.0f ? -u : u);
+  const v16 e = a > 87.0f ? splat(0.0f) : exp16(-a);  // exp16 stops at e^-87, not at 0
+  const v16 inv = 1.0f / (1.0f + e);
+  *one_plus = (u < 0.0f ? 2.0f * e : splat(2.0f)) * inv;
+  *one_minus_sq = 4.0f * e * inv * inv;
+}
+
+inline v16 gelu16(v16 x) {
+  v16 p, q;
+  tanh_parts16(kGeluC * x * (1.0f + kGeluA * x * x), &p, &q);
+  return 0.5f * x * p;
+}
+
+inline v16 gelu_grad16(v16 x, v16 dy) {
+  const v16 x2 = x * x;
+  v16 p, q;
+  tanh_parts16(kGeluC * x * (1.0f + kGeluA * x2), &p, &q);
+  // q is 0 beyond |x| ~ 9: x^2 capped there keeps 0 * inf out of a huge x's derivative
+  const v16 x2c = x2 > 1e4f ? splat(1e4f) : x2;
+  return dy * (0.5f * p + 0.5f * x * q * (kGeluC * (1.0f + 3.0f * kGeluA * x2c)));
+}
+
+// out[i] = f(x[i], dy[i]) for i in [i0, i1) (dy = nullptr: f(x[i], 0))
+template <typename F>
+void elementwise(const float* x, const float* dy, float* out, int64_t i0, int64_t i1,
+                 const F& f) {
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16)
+    store16(out + i, f(load16(x + i), dy ? load16(dy + i) : v16{}));
+  if (i < i1) {
+    float xs[16] = {}, ds[16] = {}, os[16];
+    std::memcpy(xs, x + i, (i1 - i) * sizeof(float));
+    if (dy) std::memcpy(ds, dy + i, (i1 - i) * sizeof(float));
+    store16(os, f(load16(xs), load16(ds)));
+    std::memcpy(out + i, os, (i1 - i) * sizeof(float));
+  }
+}
+
+ffi::Error gelu_fwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  const int64_t n = x.element_count();
+  if (y->element_count() != n)
+    return ffi::Error::InvalidArgument("gelu: the result must have x's size");
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, (n + kActBlock - 1) / kActBlock, [&](int64_t b) {
+    elementwise(xp, nullptr, yp, b * kActBlock, std::min(n, (b + 1) * kActBlock),
+                [](v16 v, v16) { return gelu16(v); });
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error gelu_bwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> dy, ffi::ResultBuffer<ffi::F32> dx) {
+  const int64_t n = x.element_count();
+  if (dy.element_count() != n || dx->element_count() != n)
+    return ffi::Error::InvalidArgument("gelu: x, dy and the result must have one size");
+  const float *xp = x.typed_data(), *dyp = dy.typed_data();
+  float* dxp = dx->typed_data();
+  parallel_for(pool, (n + kActBlock - 1) / kActBlock, [&](int64_t b) {
+    elementwise(xp, dyp, dxp, b * kActBlock, std::min(n, (b + 1) * kActBlock),
+                [](v16 v, v16 d) { return gelu_grad16(v, d); });
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error check(const Dims& D, int64_t rows, int64_t cols) {
   if (D.b < 1 || D.t < 1 || D.h < 1)
     return ffi::Error::InvalidArgument("attention: b, t and h must be positive");
@@ -706,6 +784,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoLayerNormBwd, layer_norm_bwd_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoWeightGrad, gram_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoGeluFwd, gelu_fwd_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoGeluBwd, gelu_bwd_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -111,10 +111,11 @@ def test_layer_norm_of_other_shapes_runs_the_definition(kernels):
 
 
 # (k, m, n): one element; edges of the 8-row parts and 32-column panels; k in several chunks,
-# with a short last one; two column groups and two k ranges (the step's qkv projection); k
-# ranges whose rounding leaves the last one short or empty; three column groups; k = 0
+# with a short last one; two column groups and two k ranges (the step's qkv projection); four
+# k ranges, the last one short; three column groups; two blocks of rows, the second with a
+# partial part; k = 0
 GRAM_SHAPES = [(1, 1, 1), (5, 3, 7), (300, 65, 33), (2048, 128, 384), (513, 130, 70),
-               (1030, 8, 40), (700, 12, 200), (600, 9, 600), (0, 3, 4)]
+               (1030, 8, 40), (700, 12, 200), (600, 9, 600), (300, 300, 40), (0, 3, 4)]
 
 
 @pytest.mark.parametrize("k,m,n", GRAM_SHAPES)

@@ -550,17 +550,11 @@ void gram_task(const float* a, const float* b, int64_t m, int64_t n, int64_t k0,
     std::memcpy(out + r * n, acc + r * wp, nw * sizeof(float));
 }
 
-ffi::Error gram_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                     ffi::ResultBuffer<ffi::F32> c) {
-  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
-  if (da.size() != 2 || db.size() != 2 || dc.size() != 2 || da[0] != db[0] ||
-      dc[0] != da[1] || dc[1] != db[1])
-    return ffi::Error::InvalidArgument(
-        "weight gradient: a must be [k, m], b [k, n] and the result [m, n]");
-  const int64_t k = da[0], m = da[1], n = db[1];
-  const float *ap = a.typed_data(), *bp = b.typed_data();
-  float* cp = c->typed_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
+// c = a^T b (see above); run(n, f) calls f(0 .. n), in any order and on any threads
+template <typename Run>
+void gram(const float* a, const float* b, float* c, int64_t k, int64_t m, int64_t n,
+          const Run& run) {
+  if (m == 0 || n == 0) return;
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t groups = (panels * kPanel + kGroup - 1) / kGroup;
   const int64_t gw = (panels + groups - 1) / groups * kPanel;  // equal groups of panels
@@ -568,23 +562,33 @@ ffi::Error gram_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<
   while (splits > 1 && (splits - 1) * m * n > kPartialFloats) --splits;
   const int64_t klen = ((k + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
   std::vector<float> partial((splits - 1) * m * n);
-  parallel_for(pool, splits * groups, [&](int64_t t) {
+  run(splits * groups, [&](int64_t t) {
     const int64_t s = t / groups, g = t % groups;
     const int64_t k0 = std::min(k, s * klen), n0 = g * gw;
-    float* out = (s == 0 ? cp : partial.data() + (s - 1) * m * n) + n0;
-    gram_task(ap, bp, m, n, k0, std::min(k, k0 + klen), n0, std::min(gw, n - n0), out);
+    float* out = (s == 0 ? c : partial.data() + (s - 1) * m * n) + n0;
+    gram_task(a, b, m, n, k0, std::min(k, k0 + klen), n0, std::min(gw, n - n0), out);
   });
   if (splits > 1) {
-    const int64_t blocks = (m + kNormRows - 1) / kNormRows;
-    parallel_for(pool, blocks, [&](int64_t i) {
+    run((m + kNormRows - 1) / kNormRows, [&](int64_t i) {
       for (int64_t r = i * kNormRows; r < std::min(m, (i + 1) * kNormRows); ++r)
         for (int64_t s = 1; s < splits; ++s) {
           const float* src = partial.data() + ((s - 1) * m + r) * n;
-          float* dst = cp + r * n;
+          float* dst = c + r * n;
           for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
         }
     });
   }
+}
+
+ffi::Error gram_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                     ffi::ResultBuffer<ffi::F32> c) {
+  auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dc.size() != 2 || da[0] != db[0] ||
+      dc[0] != da[1] || dc[1] != db[1])
+    return ffi::Error::InvalidArgument(
+        "weight gradient: a must be [k, m], b [k, n] and the result [m, n]");
+  gram(a.typed_data(), b.typed_data(), c->typed_data(), da[0], da[1], db[1],
+       [&](int64_t n, const auto& f) { parallel_for(pool, n, f); });
   return ffi::Error::Success();
 }
 

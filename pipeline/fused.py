@@ -55,8 +55,10 @@ SYMBOLS = {FORWARD_TARGET: "DilocoAttentionFwd", BACKWARD_TARGET: "DilocoAttenti
 LAYER_NORM_EPS = 1e-5
 MAX_HEAD_DIM = 256  # the widest head the attention kernel takes (kMaxHeadDim in fused.cc)
 
+KERNELS = ("attention", "layer_norm", "dense", "gelu")  # the names `unfused` takes
+
 _installed = False
-_local = threading.local()  # .off: the depth of `unfused()` on this thread
+_local = threading.local()  # .off: per kernel name, the depth of `unfused()` on this thread
 
 
 def install() -> None:
@@ -79,20 +81,31 @@ def _switch(on: bool) -> None:
 
 
 @contextlib.contextmanager
-def unfused() -> Iterator[None]:
-    """Trace the definitions instead of the kernels inside this block (on this thread).
+def unfused(*kernels: str) -> Iterator[None]:
+    """Trace the definitions instead of the kernels inside this block (on this thread): of
+    every kernel, or of those named (any of `KERNELS`).
 
     It acts when a function is traced: a jitted function already traced outside the block
     runs what it traced (`pipeline.mesh.Placement` wraps its step's first call in it)."""
-    _local.off = getattr(_local, "off", 0) + 1
+    names = kernels or KERNELS
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"unfused: no kernel named {', '.join(unknown)} (the kernels: "
+                         f"{', '.join(KERNELS)})")
+    if not hasattr(_local, "off"):
+        _local.off = dict.fromkeys(KERNELS, 0)
+    for name in names:
+        _local.off[name] += 1
     try:
         yield
     finally:
-        _local.off -= 1
+        for name in names:
+            _local.off[name] -= 1
 
 
-def _use_kernel(*operands: jax.Array) -> bool:
-    return (_installed and not getattr(_local, "off", 0)
+def _use_kernel(kernel: str, *operands: jax.Array) -> bool:
+    off = getattr(_local, "off", None)
+    return (_installed and not (off and off[kernel])
             and all(x.dtype == jnp.float32 for x in operands)
             and jax.default_backend() == "cpu")
 
@@ -148,7 +161,8 @@ def causal_attention(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
     if h < 1 or qkv.ndim != 2 or qkv.shape[0] != b * t or qkv.shape[-1] % (3 * h):
         raise ValueError(f"attention: qkv of shape {qkv.shape} is not [b*t, 3*h*head_dim] "
                          f"for b={b}, t={t}, h={h}")
-    if _use_kernel(qkv) and b * t > 0 and qkv.shape[-1] // (3 * h) <= MAX_HEAD_DIM:
+    if (_use_kernel("attention", qkv) and b * t > 0
+            and qkv.shape[-1] // (3 * h) <= MAX_HEAD_DIM):
         return _fused(qkv, b, t, h)
     return attention_reference(qkv, b, t, h)
 
@@ -193,7 +207,7 @@ def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
     """Layer norm over the last axis (see the module docstring); the kernel takes a ``[n, d]``
     matrix and ``[d]`` scale and shift, any other shape runs the definition."""
     if (x.ndim == 2 and g.shape == b.shape == x.shape[1:] and x.shape[0] > 0
-            and x.shape[1] > 0 and _use_kernel(x, g, b)):
+            and x.shape[1] > 0 and _use_kernel("layer_norm", x, g, b)):
         return _fused_norm(x, g, b)
     return layer_norm_reference(x, g, b)
 
@@ -227,7 +241,7 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     gradient ``xᵀ @ dy`` (a sum over the n rows) is the kernel's. Other shapes and dtypes run
     ``x @ w`` as it is."""
     if (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[0] and x.size and w.size
-            and _use_kernel(x, w)):
+            and _use_kernel("dense", x, w)):
         return _fused_dense(x, w)
     return x @ w
 
@@ -257,6 +271,6 @@ _fused_gelu.defvjp(_fused_gelu_fwd, _fused_gelu_bwd)
 
 def gelu(x: jax.Array) -> jax.Array:
     """GELU (tanh form) elementwise, of any shape (see the module docstring)."""
-    if x.size and _use_kernel(x):
+    if x.size and _use_kernel("gelu", x):
         return _fused_gelu(x)
     return gelu_reference(x)

@@ -221,6 +221,34 @@ def test_a_training_step_matches_the_definition(kernels):
                                    atol=1e-6, err_msg=k)
 
 
+def test_unfused_turns_off_the_kernels_named(kernels):
+    from pipeline import config as cfgmod
+    from pipeline.task import task_of
+
+    cfg = cfgmod.override(cfgmod.RunConfig(), **{"model.seq_len": 16, "inner.batch_size": 2})
+    task = task_of(cfg)
+    params = task.init_params(0)
+    batch = jnp.zeros((2, 17), jnp.int32)
+    targets = {"attention": fused.FORWARD_TARGET, "layer_norm": fused.NORM_FORWARD_TARGET,
+               "dense": fused.WEIGHT_GRAD_TARGET, "gelu": fused.GELU_FORWARD_TARGET}
+
+    def traced() -> set[str]:
+        text = jax.jit(jax.grad(lambda p: task.loss_and_accuracy(p, batch)[0])).lower(
+            params).as_text()
+        return {name for name, target in targets.items() if target in text}
+
+    assert traced() == set(fused.KERNELS)
+    with fused.unfused("gelu", "dense"):
+        assert traced() == {"attention", "layer_norm"}
+        with fused.unfused():
+            assert traced() == set()
+        assert traced() == {"attention", "layer_norm"}
+    assert traced() == set(fused.KERNELS)
+    with pytest.raises(ValueError, match="no kernel named softmax"):
+        with fused.unfused("softmax"):
+            pass
+
+
 def test_bad_shapes_are_refused(kernels):
     qkv, _ = _qkv(2, 8, 2, 16)
     with pytest.raises(ValueError, match="not \\[b\\*t"):

@@ -5,9 +5,11 @@ Side by side in one run, at each thread count (all cores, and one core):
 * the machine's fp32 matrix-multiply rate: the best of numpy (its BLAS) and JAX (XLA) on
   1024 × 1024 matrices;
 * the jitted training step (`pipeline.train.make_step`: forward, backward, AdamW) of the model
-  `ModelConfig` defaults to, as shipped (with the fused attention and layer-norm kernels where
-  `workers.native.install_fused` can build them, as every training process does), the same
-  step with both as XLA's operations (`pipeline.fused.unfused`: the JAX definitions),
+  `ModelConfig` defaults to, as shipped (with the fused kernels — attention, layer norm, the
+  projections' weight gradients, GELU — where `workers.native.install_fused` can build them,
+  as every training process does), the same step with all four as XLA's operations
+  (`pipeline.fused.unfused`: the JAX definitions), with only attention and layer norm fused
+  (``attention_norm_kernels``: the weight gradients and GELU as XLA's),
   and the previous implementation of its forward pass (3-D activations, attention by per-head
   einsums, the causal mask by `where`) kept here as the baseline; its FLOPs are counted as
   6 × parameters × tokens + 12 × layers × d_model × seq_len × tokens (the attention scores
@@ -132,6 +134,7 @@ def measure(steps: int, full: bool = True) -> dict[str, Any]:
     shipped = model.forward
     forwards = (("shipped", shipped, contextlib.nullcontext),
                 ("unfused", shipped, fused.unfused),
+                ("attention_norm_kernels", shipped, lambda: fused.unfused("dense", "gelu")),
                 ("previous", _reference_forward, contextlib.nullcontext))
     for name, fwd, tracing in forwards if full else forwards[:1]:
         model.forward = fwd  # loss_and_accuracy looks it up at trace time
@@ -302,6 +305,8 @@ def bench_step(quick: bool = False) -> dict[str, Any]:
         m["speedup"] = m["previous"]["step_s_median"] / m["shipped"]["step_s_median"]
         m["speedup_fused_kernels"] = (m["unfused"]["step_s_median"]
                                       / m["shipped"]["step_s_median"])
+        m["speedup_dense_gelu_kernels"] = (m["attention_norm_kernels"]["step_s_median"]
+                                           / m["shipped"]["step_s_median"])
         m["speedup_kept_memory"] = (out[key + "_freed_returned"]["shipped"]["step_s_median"]
                                     / m["shipped"]["step_s_median"])
     return out

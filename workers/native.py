@@ -148,13 +148,13 @@ def _fused_library() -> Path | None:
     cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
            or shutil.which("clang++"))
     if cxx is None:
-        log.warning("no C++ compiler found: attention and layer norms run as XLA's operations "
-                    "(slower; install g++)")
+        log.warning("no C++ compiler found: the model's fused operations (attention, layer "
+                    "norms, GELU, weight gradients) run as XLA's (slower; install g++)")
         return None
     flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}"]
     # the FFI headers come with jaxlib: a new jaxlib is a new build
     return _compiled(f"fused-jaxlib{jaxlib.__version__}", _FUSED_SRC, cxx, flags,
-                     "attention and layer norms run as XLA's operations")
+                     "the model's fused operations run as XLA's")
 
 
 def _register_fused() -> bool:
@@ -169,8 +169,8 @@ def _register_fused() -> bool:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(dll, symbol)),
                                         platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
-        log.warning("loading %s failed (%s): attention and layer norms run as XLA's "
-                    "operations", lib, err)
+        log.warning("loading %s failed (%s): the model's fused operations run as XLA's",
+                    lib, err)
         return False
     return True
 

@@ -148,8 +148,8 @@ def _fused_library() -> Path | None:
     cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
            or shutil.which("clang++"))
     if cxx is None:
-        log.warning("no C++ compiler found: the model's fused operations (attention, layer "
-                    "norms, GELU, weight gradients) run as XLA's (slower; install g++)")
+        log.warning("no C++ compiler found: the model's fused operations run as XLA's "
+                    "(attention, layer norms, GELU, weight gradients: slower; install g++)")
         return None
     flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}"]
     # the FFI headers come with jaxlib: a new jaxlib is a new build

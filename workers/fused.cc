@@ -481,7 +481,8 @@ constexpr int kPartM = 4;  // a v16 is two or four registers: fewer rows, fewer 
 
 // c[r * ldc + 0 .. 32) += sum over i < kc of a[i * kPartM + r] * b[i * kPanel + 0 .. 32) for
 // r < kPartM, in i order, the sums kept in vector registers while i runs
-inline void gram_block(const float* a, const float* b, int64_t kc, float* c, int64_t ldc) {
+inline void gram_block(const float* a, int64_t as, const float* b, int64_t kc, float* c,
+                       int64_t ldc) {
   v16 s[kPartM][2];
   for (int r = 0; r < kPartM; ++r) {
     s[r][0] = load16(c + r * ldc);
@@ -490,7 +491,7 @@ inline void gram_block(const float* a, const float* b, int64_t kc, float* c, int
   for (int64_t i = 0; i < kc; ++i) {
     const v16 b0 = load16(b + i * kPanel), b1 = load16(b + i * kPanel + 16);
     for (int r = 0; r < kPartM; ++r) {
-      const v16 x = splat(a[i * kPartM + r]);
+      const v16 x = splat(a[i * as + r]);
       s[r][0] += x * b0;
       s[r][1] += x * b1;
     }
@@ -530,19 +531,23 @@ void gram_task(const float* a, const float* b, int64_t m, int64_t n, int64_t k0,
     }
     for (int64_t r0 = 0; r0 < m; r0 += rb) {
       const int64_t rw = std::min(rb, m - r0), parts = (rw + kPartM - 1) / kPartM;
-      for (int64_t i = 0; i < kc; ++i) {
-        const float* row = a + (c0 + i) * m + r0;
-        for (int64_t p = 0; p < parts; ++p) {
-          float* dst = ap + (p * kChunk + i) * kPartM;
-          if (rw - p * kPartM >= kPartM)
-            std::memcpy(dst, row + p * kPartM, kPartM * sizeof(float));
-          else
-            std::memcpy(dst, row + p * kPartM, (rw - p * kPartM) * sizeof(float));
+      // a's rows are read where they are (kc rows of m floats: in the L1 cache for a small
+      // m), unless a partial part needs a zero-padded copy
+      const bool whole = rw % kPartM == 0;
+      if (!whole) {
+        for (int64_t i = 0; i < kc; ++i) {
+          const float* row = a + (c0 + i) * m + r0;
+          for (int64_t p = 0; p < parts; ++p) {
+            float* dst = ap + (p * kChunk + i) * kPartM;
+            std::memcpy(dst, row + p * kPartM,
+                        std::min<int64_t>(kPartM, rw - p * kPartM) * sizeof(float));
+          }
         }
       }
       for (int64_t j = 0; j < panels; ++j)
         for (int64_t p = 0; p < parts; ++p)
-          gram_block(ap + p * kChunk * kPartM, bp + j * kChunk * kPanel, kc,
+          gram_block(whole ? a + c0 * m + r0 + p * kPartM : ap + p * kChunk * kPartM,
+                     whole ? m : kPartM, bp + j * kChunk * kPanel, kc,
                      acc + (r0 + p * kPartM) * wp + j * kPanel, wp);
     }
   }

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import jax
@@ -58,25 +58,32 @@ MAX_HEAD_DIM = 256  # the widest head the attention kernel takes (kMaxHeadDim in
 KERNELS = ("attention", "layer_norm", "dense", "gelu")  # the names `unfused` takes
 
 _installed = False
+_disabled: frozenset[str] = frozenset()  # kernels installed as their definitions
 _local = threading.local()  # .off: per kernel name, the depth of `unfused()` on this thread
 
 
-def install() -> None:
-    """Use the fused kernels from now on; their FFI targets must be registered for the CPU
-    platform under the names in `SYMBOLS` (`workers.native` does both)."""
-    _switch(True)
+def install(disabled: Iterable[str] = ()) -> None:
+    """Use the fused kernels from now on, but those named in `disabled` (of `KERNELS`); their
+    FFI targets must be registered for the CPU platform under the names in `SYMBOLS`
+    (`workers.native` does both)."""
+    off = frozenset(disabled)
+    unknown = sorted(off - set(KERNELS))
+    if unknown:
+        raise ValueError(f"no kernel named {', '.join(unknown)} (the kernels: "
+                         f"{', '.join(KERNELS)})")
+    _switch(True, off)
 
 
 def uninstall() -> None:
-    _switch(False)
+    _switch(False, frozenset())
 
 
-def _switch(on: bool) -> None:
+def _switch(on: bool, disabled: frozenset[str]) -> None:
     """The choice is made when a function is traced, and JAX's caches of traced functions do
     not know of it: a change empties them, so that nothing traced before runs after."""
-    global _installed
-    if _installed != on:
-        _installed = on
+    global _installed, _disabled
+    if (_installed, _disabled) != (on, disabled):
+        _installed, _disabled = on, disabled
         jax.clear_caches()
 
 
@@ -105,7 +112,7 @@ def unfused(*kernels: str) -> Iterator[None]:
 
 def _use_kernel(kernel: str, *operands: jax.Array) -> bool:
     off = getattr(_local, "off", None)
-    return (_installed and not (off and off[kernel])
+    return (_installed and kernel not in _disabled and not (off and off[kernel])
             and all(x.dtype == jnp.float32 for x in operands)
             and jax.default_backend() == "cpu")
 

@@ -279,7 +279,8 @@ import jax, jax.numpy as jnp, numpy as np
 from pipeline import fused
 from workers import native
 backend = native.install_fused()
-out = {"backend": backend, "cpus": len(__import__("os").sched_getaffinity(0))}
+out = {"backend": backend, "cpus": len(__import__("os").sched_getaffinity(0)),
+       "disabled": sorted(fused._disabled)}
 if backend == "fused":
     r = np.random.default_rng(3)
     b, t, h, dh = 8, 64, 4, 32
@@ -328,6 +329,9 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_without_a_compiler_or_when_turned_off_xla_runs_the_definition(tmp_path):
     off = _child({"DILOCO_FUSED": "xla"})
     assert off["backend"] == "xla"
+    some = _child({"DILOCO_FUSED": "xla:gelu,Dense,softmax"})
+    assert some["backend"] == "fused" and some["disabled"] == ["dense", "gelu"]
+    assert "no kernel named softmax" in some["stderr"]
     missing = tmp_path / "no-such-compiler"
     none = _child({"CXX": str(missing), "DILOCO_KERNEL_CACHE": str(tmp_path / "cache")})
     assert none["backend"] == "xla"

@@ -11,11 +11,13 @@ each build a complete file and rename it into place.
   ``DILOCO_KERNELS=numpy``) it logs why and the numpy definition runs: same results, ~5×
   slower. Every process that merges calls `install()` once at start (the syncer, `diloco`
   commands).
-* The fused kernels (`install_fused`): `pipeline/fused.py` defines causal attention and the
-  layer norm in JAX; the kernels are built with the system C++ compiler (``c++``/``g++``, or
+* The fused kernels (`install_fused`): `pipeline/fused.py` defines causal attention, the
+  layer norm, GELU and the projections (whose weight gradient is a kernel) in JAX; the
+  kernels are built with the system C++ compiler (``c++``/``g++``, or
   ``$CXX``) against the XLA FFI headers that jaxlib ships, and their targets are registered
   with JAX for the CPU platform. Without a compiler (or with ``DILOCO_FUSED=xla``) it logs
-  why and XLA runs the JAX definitions: the same values to float32 rounding, slower. Every
+  why and XLA runs the JAX definitions: the same values to float32 rounding, slower
+  (``DILOCO_FUSED=xla:gelu,dense`` runs only the kernels not named). Every
   process that trains calls it once at start (learners, data-parallel workers, `diloco`
   commands other than `syncer`).
 """
@@ -125,16 +127,31 @@ _fused_backend: str | None = None
 
 
 def install_fused() -> str:
-    """Build (once per machine), register and install the fused attention and layer-norm
-    kernels; returns the backend in use: "fused", or "xla" (the JAX definitions) with the
-    reason logged. Call it before the first step is traced; steps traced before keep what
-    they traced."""
+    """Build (once per machine), register and install the fused kernels of the model's step;
+    returns the backend in use: "fused", or "xla" (the JAX definitions) with the reason
+    logged. ``DILOCO_FUSED=xla`` turns them all off, ``DILOCO_FUSED=xla:gelu,dense`` those
+    named (of `pipeline.fused.KERNELS`: to compare, or to rule one out). Call it before the
+    first step is traced; steps traced before keep what they traced."""
     global _fused_backend
     if _fused_backend is None:
         _fused_backend = "fused" if _register_fused() else "xla"
     if _fused_backend == "fused":
-        fused.install()
+        fused.install(_disabled_kernels())
     return _fused_backend
+
+
+def _disabled_kernels() -> list[str]:
+    """The kernels ``DILOCO_FUSED=xla:NAME,…`` names; a name that is no kernel is logged and
+    left out."""
+    value = os.environ.get(FUSED_ENV, "").strip().lower()
+    if not value.startswith("xla:"):
+        return []
+    names = [n.strip() for n in value[4:].split(",") if n.strip()]
+    unknown = [n for n in names if n not in fused.KERNELS]
+    if unknown:
+        log.warning("%s: no kernel named %s (the kernels: %s); left out", FUSED_ENV,
+                    ", ".join(unknown), ", ".join(fused.KERNELS))
+    return [n for n in names if n in fused.KERNELS]
 
 
 def _fused_library() -> Path | None:

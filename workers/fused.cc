@@ -459,12 +459,13 @@ ffi::Error layer_norm_bwd_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // The weight gradient of a projection y = x W, dW = x^T dy: c f32[m, n] = a^T b for
 // a f32[k, m] and b f32[k, n]. The work is cut by shape alone (never by the thread count): c's
 // columns into groups of at most kGroup, and k into `splits` ranges where c is small enough to
-// keep a partial sum per range (so that a short, wide-k product still has several tasks).
-// A task walks its k range in chunks of kChunk, copying the chunk's rows of a and b into
-// buffers laid out in the order the arithmetic reads them (a in parts of 8 of c's rows, b in
-// panels of 32 columns; zero-padded at c's edges), and adds each 8 x 32 block of c's partial
-// sum as 16 vectors kept in registers while the chunk runs: a row of a (broadcast) times a row
-// of b per k. Each element of a range's partial sum is one sequential sum in k order, and the
+// keep a partial sum per range (so that a product with a small result and a long k still has
+// several tasks). A task walks its k range in chunks of kChunk, copying the chunk's rows of b
+// into panels of 32 columns (zero-padded at c's edge: they stay in the L1 cache while every
+// part of c's rows reads them) and adds each 8 x 32 block of c's partial sum as 16 vectors
+// kept in registers while the chunk runs: a row of a (8 values, each broadcast) times a row
+// of b per k. a's rows are read in place (a zero-padded copy only where c's rows end in a
+// partial part of 8). Each element of a range's partial sum is one sequential sum in k order, and the
 // ranges' partial sums are added in range order: the result does not depend on the number of
 // threads.
 constexpr int64_t kPanel = 32;   // columns of c per block (two vectors)
@@ -479,7 +480,7 @@ constexpr int kPartM = 8;  // 16 accumulators of the 32 vector registers
 constexpr int kPartM = 4;  // a v16 is two or four registers: fewer rows, fewer spills
 #endif
 
-// c[r * ldc + 0 .. 32) += sum over i < kc of a[i * kPartM + r] * b[i * kPanel + 0 .. 32) for
+// c[r * ldc + 0 .. 32) += sum over i < kc of a[i * as + r] * b[i * kPanel + 0 .. 32) for
 // r < kPartM, in i order, the sums kept in vector registers while i runs
 inline void gram_block(const float* a, int64_t as, const float* b, int64_t kc, float* c,
                        int64_t ldc) {
@@ -566,18 +567,20 @@ void gram(const float* a, const float* b, float* c, int64_t k, int64_t m, int64_
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>(4 / groups, k / kSplitMin));
   while (splits > 1 && (splits - 1) * m * n > kPartialFloats) --splits;
   const int64_t klen = ((k + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
-  std::vector<float> partial((splits - 1) * m * n);
+  // every element is written by a task before it is read: no zero fill
+  std::unique_ptr<float[]> partial(new float[(splits - 1) * m * n]);
   run(splits * groups, [&](int64_t t) {
     const int64_t s = t / groups, g = t % groups;
     const int64_t k0 = std::min(k, s * klen), n0 = g * gw;
-    float* out = (s == 0 ? c : partial.data() + (s - 1) * m * n) + n0;
+    float* out = (s == 0 ? c : partial.get() + (s - 1) * m * n) + n0;
     gram_task(a, b, m, n, k0, std::min(k, k0 + klen), n0, std::min(gw, n - n0), out);
   });
   if (splits > 1) {
-    run((m + kNormRows - 1) / kNormRows, [&](int64_t i) {
-      for (int64_t r = i * kNormRows; r < std::min(m, (i + 1) * kNormRows); ++r)
+    constexpr int64_t rows = 64;  // of c per task of the sum
+    run((m + rows - 1) / rows, [&](int64_t i) {
+      for (int64_t r = i * rows; r < std::min(m, (i + 1) * rows); ++r)
         for (int64_t s = 1; s < splits; ++s) {
-          const float* src = partial.data() + ((s - 1) * m + r) * n;
+          const float* src = partial.get() + ((s - 1) * m + r) * n;
           float* dst = c + r * n;
           for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
         }

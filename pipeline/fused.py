@@ -1,5 +1,5 @@
-"""Fused CPU kernels of the default model's causal attention, layer norm and projections'
-weight gradients: the definitions in JAX, and the slot for the compiled kernels.
+"""Fused CPU kernels of the default model's causal attention, layer norm, GELU and
+projections' weight gradients: the definitions in JAX, and the slot for the compiled kernels.
 
 `causal_attention(qkv, b, t, h)` takes the packed projection ``qkv`` (``[b·t, 3·d]``, laid
 out as ``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' outputs as
@@ -8,7 +8,8 @@ out as ``[b, t, 3, h, d/h]``: the model's ``y @ W_qkv``) and returns the heads' 
 added as a bias, a row softmax, and the weighted sum of values. `layer_norm(x, g, b)`
 normalises the last axis of a ``[n, d]`` matrix (`layer_norm_reference`: mean, variance,
 ``(x − μ)/√(σ² + 1e-5)·g + b``). `dense(x, w)` is the projection ``x @ w``, whose weight
-gradient ``xᵀ @ dy`` — a product that sums over all ``b·t`` rows — is the kernel's.
+gradient ``xᵀ @ dy`` — a product that sums over all ``b·t`` rows — is the kernel's; `gelu(x)`
+is GELU's tanh form (`gelu_reference`: ``jax.nn.gelu(x, approximate=True)``).
 
 XLA's CPU backend runs attention as separate batched products of ``[t, d/h]`` blocks, a
 softmax over the full ``t × t`` scores (half of them masked), and transposes between the
@@ -16,9 +17,9 @@ layouts — in the default model's step about a third of the time — and a laye
 loops with their reductions (~10 %). `workers/native.py` compiles `workers/fused.cc` — for
 attention one pass per (batch row, head) that computes only the causal half, keeps a row's
 scores in registers and recomputes them in the backward pass from each row's log-sum-exp; for
-the layer norm one pass per row each way; for a weight gradient, blocks of the result summed
+the layer norm and GELU one pass each way; for a weight gradient, blocks of the result summed
 in registers, the sum over rows cut into ranges (fixed by the shape) that the threads share
-— registers its XLA FFI targets and calls `install`. From then on all three run the kernels
+— registers its XLA FFI targets and calls `install`. From then on all four run the kernels
 (each wrapped in a `jax.custom_vjp`) wherever they can: float32 operands, the CPU backend,
 outside `unfused()`. Everywhere else they are the definitions: without a C++ compiler, with
 ``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a multi-device island
@@ -62,16 +63,20 @@ _disabled: frozenset[str] = frozenset()  # kernels installed as their definition
 _local = threading.local()  # .off: per kernel name, the depth of `unfused()` on this thread
 
 
+def _kernel_names(names: Iterable[str], caller: str) -> tuple[str, ...]:
+    names = tuple(names)
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"{caller}: no kernel named {', '.join(unknown)} (the kernels: "
+                         f"{', '.join(KERNELS)})")
+    return names
+
+
 def install(disabled: Iterable[str] = ()) -> None:
     """Use the fused kernels from now on, but those named in `disabled` (of `KERNELS`); their
     FFI targets must be registered for the CPU platform under the names in `SYMBOLS`
     (`workers.native` does both)."""
-    off = frozenset(disabled)
-    unknown = sorted(off - set(KERNELS))
-    if unknown:
-        raise ValueError(f"no kernel named {', '.join(unknown)} (the kernels: "
-                         f"{', '.join(KERNELS)})")
-    _switch(True, off)
+    _switch(True, frozenset(_kernel_names(disabled, "install")))
 
 
 def uninstall() -> None:
@@ -94,11 +99,7 @@ def unfused(*kernels: str) -> Iterator[None]:
 
     It acts when a function is traced: a jitted function already traced outside the block
     runs what it traced (`pipeline.mesh.Placement` wraps its step's first call in it)."""
-    names = kernels or KERNELS
-    unknown = sorted(set(names) - set(KERNELS))
-    if unknown:
-        raise ValueError(f"unfused: no kernel named {', '.join(unknown)} (the kernels: "
-                         f"{', '.join(KERNELS)})")
+    names = _kernel_names(kernels or KERNELS, "unfused")
     if not hasattr(_local, "off"):
         _local.off = dict.fromkeys(KERNELS, 0)
     for name in names:

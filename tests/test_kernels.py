@@ -176,6 +176,23 @@ def test_build_cache_and_fallbacks(tmp_path):
                    "CC": str(tmp_path / "no-such-compiler")}) == "numpy"
 
 
+def test_a_new_compiler_version_is_a_new_build(tmp_path):
+    """The cache key holds what the compiler says its version is: the same path upgraded
+    builds anew instead of loading the old compiler's library."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on this machine")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "cc $CC_VERSION"; exit 0; }\n'
+                       f'exec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    for version, libs in (("1.0", 1), ("1.0", 1), ("2.0", 2)):
+        assert _probe({"DILOCO_KERNEL_CACHE": str(cache), "CC": str(wrapper),
+                       "CC_VERSION": version}) == "c"
+        assert len(list(cache.glob("kernels-*.so"))) == libs
+
+
 def test_a_thread_pool_gives_the_same_bits(monkeypatch):
     """A fragment's tensors split over merge threads: identical sums and statistics, and a call
     that adds into one accumulator twice stays on one thread (no racing writes)."""

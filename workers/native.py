@@ -1,10 +1,10 @@
 """Build, load and install the compiled kernels: the merge kernels (`workers/kernels.c`) and
-the default model's fused attention and layer norm (`workers/fused.cc`).
+the default model's fused operations (`workers/fused.cc`).
 
 Each is compiled on first use into a per-user cache (``$DILOCO_KERNEL_CACHE``, default
-``~/.cache/diloco``), keyed by the source, the compiler, the flags and the CPU (both are built
-with ``-march=native``), loaded from there afterwards and installed. Concurrent first uses
-each build a complete file and rename it into place.
+``~/.cache/diloco``), keyed by the source, the compiler and its version, the flags and the
+CPU (both are built with ``-march=native``), loaded from there afterwards and installed.
+Concurrent first uses each build a complete file and rename it into place.
 
 * The merge kernels (`install`): `pipeline/kernels.py` defines the merge passes in numpy; the
   C twin is built with the system C compiler (``cc``, or ``$CC``). Without a compiler (or with
@@ -25,10 +25,12 @@ each build a complete file and rename it into place.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,13 +70,27 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
+@functools.cache
+def _compiler_key(compiler: str) -> str:
+    """The compiler's path and what it says its version is: an upgraded compiler is a new
+    build (its path alone would keep the old one's library)."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, timeout=60,
+                              check=False)
+        version = done.stdout.decode(errors="replace").split("\n", 1)[0]
+    except (OSError, subprocess.SubprocessError):
+        version = ""  # the build itself will say why the compiler does not run
+    return f"{compiler}\n{version}"
+
+
 def _compiled(name: str, src: Path, compiler: str, flags: list[str],
               what: str) -> Path | None:
     """The cached shared library built from `src` (building it first if needed); None, with a
     warning naming `what` falls back, when the build fails."""
     data = src.read_bytes()
-    key = hashlib.sha256(b"\0".join([data, " ".join(flags).encode(), compiler.encode(),
-                                     _cpu_key().encode(), platform.machine().encode()]))
+    key = hashlib.sha256(b"\0".join([data, " ".join(flags).encode(),
+                                     _compiler_key(compiler).encode(), _cpu_key().encode(),
+                                     platform.machine().encode()]))
     cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
     lib = cache / f"{name}-{key.hexdigest()[:16]}.so"
     if not lib.exists():
@@ -123,6 +139,13 @@ _FUSED_SRC = Path(__file__).with_name("fused.cc")
 # -ffp-contract=fast: multiply-adds fused (no bit-for-bit twin to match, unlike the merge)
 _FUSED_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20"]
 FUSED_ENV = "DILOCO_FUSED"
+# DILOCO_FUSED_SANITIZE=address,undefined: the fused kernels built with those sanitizers, to
+# debug them (a separate library in the cache). A process that loads an address-sanitized
+# library must have the sanitizer's runtime preloaded (LD_PRELOAD="$(c++
+# -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)"); without it the load
+# fails and XLA runs the definitions, with the reason logged. tests/test_fused.py runs every
+# kernel so.
+SANITIZE_ENV = "DILOCO_FUSED_SANITIZE"
 _fused_backend: str | None = None
 
 
@@ -168,10 +191,27 @@ def _fused_library() -> Path | None:
         log.warning("no C++ compiler found: the model's fused operations run as XLA's "
                     "(attention, layer norms, GELU, weight gradients: slower; install g++)")
         return None
-    flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}"]
+    sanitize = _sanitize_flags()
+    flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}", *sanitize]
     # the FFI headers come with jaxlib: a new jaxlib is a new build
-    return _compiled(f"fused-jaxlib{jaxlib.__version__}", _FUSED_SRC, cxx, flags,
-                     "the model's fused operations run as XLA's")
+    name = f"fused-jaxlib{jaxlib.__version__}" + ("-sanitized" if sanitize else "")
+    return _compiled(name, _FUSED_SRC, cxx, flags, "the model's fused operations run as XLA's")
+
+
+def _sanitize_flags() -> list[str]:
+    """The compiler flags ``DILOCO_FUSED_SANITIZE=NAME,…`` asks for (none where it is unset;
+    a value that is not a list of names is logged and ignored)."""
+    value = os.environ.get(SANITIZE_ENV, "").strip().lower()
+    if not value:
+        return []
+    if not re.fullmatch(r"[a-z]+(,[a-z]+)*", value):
+        log.warning("%s=%r is not a list of sanitizer names (e.g. address,undefined): "
+                    "ignored", SANITIZE_ENV, value[:80])
+        return []
+    # -O1 (after the -O3 before it: the last one counts): the same loads and stores, the
+    # vector code written out as it is, in half the build time
+    return ["-O1", f"-fsanitize={value}", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g"]
 
 
 def _register_fused() -> bool:

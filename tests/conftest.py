@@ -51,6 +51,51 @@ def _kernels_built():
     native.build()
 
 
+def _runtime(compiler: str, name: str) -> str | None:
+    """The path of the compiler's runtime library `name`, or None where it has none."""
+    import subprocess
+
+    done = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    path = done.stdout.strip()
+    return path if done.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+class Sanitizer:
+    """`env`: the environment of a child process that builds and loads the compiled kernels
+    with the address and undefined-behaviour sanitizers (`workers.native.SANITIZE_ENV`), the
+    sanitizer's runtime preloaded, and libstdc++ with it (its exception interceptors need it
+    from the start)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+
+    @staticmethod
+    def reports(stderr: str) -> list[str]:
+        """The lines of a child's stderr where a sanitizer reported something."""
+        return [ln for ln in stderr.splitlines() if "Sanitizer" in ln or "runtime error" in ln]
+
+
+@pytest.fixture
+def sanitizer() -> Sanitizer:
+    """A `Sanitizer`; skips where the C++ compiler has no address-sanitizer runtime."""
+    from workers import native
+
+    cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+           or shutil.which("clang++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    asan, stdcxx = _runtime(cxx, "libasan.so"), _runtime(cxx, "libstdc++.so")
+    if asan is None or stdcxx is None:
+        pytest.skip(f"{cxx} has no address sanitizer runtime here")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", native.SANITIZE_ENV: "address,undefined",
+           "LD_PRELOAD": f"{asan} {stdcxx}", "ASAN_OPTIONS": "detect_leaks=0",
+           "UBSAN_OPTIONS": "print_stacktrace=1"}
+    for name in (native.FUSED_ENV, "DILOCO_KERNELS"):
+        env.pop(name, None)
+    return Sanitizer(env)
+
+
 @pytest.fixture(autouse=True)
 def _unfused():
     """Every test starts tracing attention and layer norms as their JAX definitions: a test

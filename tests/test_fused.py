@@ -422,39 +422,21 @@ print(json.dumps(out))
 """
 
 
-def _runtime(cxx: str, name: str) -> str | None:
-    """The path of the compiler's runtime library `name`, or None where it has none."""
-    done = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True,
-                          timeout=60, check=False)
-    path = done.stdout.strip()
-    return path if done.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
-
-
-@pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler on this machine")
-def test_the_kernels_run_clean_under_the_address_and_undefined_behaviour_sanitizers():
+def test_the_kernels_run_clean_under_the_address_and_undefined_behaviour_sanitizers(
+        sanitizer):
     """Every kernel, forward and backward, on the edge shapes of the tests above, built with
-    ``-fsanitize=address,undefined`` (``DILOCO_FUSED_SANITIZE``) in a process with the
+    ``-fsanitize=address,undefined`` (``DILOCO_SANITIZE``) in a process with the
     sanitizer's runtime preloaded: no read or write outside the operands XLA hands it, no
     undefined behaviour, the definitions' values. (An overread of 16 floats at a GELU tail,
     planted to try this test, is reported: "READ of size 64 … 0 bytes to the right of
     12000-byte region".)"""
-    cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-           or shutil.which("clang++"))
-    asan, stdcxx = _runtime(cxx, "libasan.so"), _runtime(cxx, "libstdc++.so")
-    if asan is None or stdcxx is None:
-        pytest.skip(f"{cxx} has no address sanitizer runtime here")
     # lengths of GELU: under one vector, a vector and a tail, a block of 16,384 and a tail
     shapes = {"attention": SHAPES, "layer_norm": [(1, 1), (3, 5), (130, 128), (1000, 24)],
               "gram": GRAM_SHAPES, "gelu": [1, 15, 17, 16_384 + 5, 40_000 - 11]}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", native.SANITIZE_ENV: "address,undefined",
-           # libstdc++ first-hand: the sanitizer's exception interceptors need it at start
-           "LD_PRELOAD": f"{asan} {stdcxx}", "ASAN_OPTIONS": "detect_leaks=0",
-           "UBSAN_OPTIONS": "print_stacktrace=1"}
-    env.pop(native.FUSED_ENV, None)
     done = subprocess.run([sys.executable, "-c", _SANITIZED, json.dumps(shapes)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
-    report = [ln for ln in done.stderr.splitlines()
-              if "Sanitizer" in ln or "runtime error" in ln]
+                          env=sanitizer.env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    report = sanitizer.reports(done.stderr)
     assert done.returncode == 0 and not report, (report or done.stderr.splitlines())[-40:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["backend"] == "fused" and out["library"].startswith("fused-jaxlib")

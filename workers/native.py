@@ -41,6 +41,13 @@ from pipeline import fused, kernels
 log = logging.getLogger("diloco.native")
 
 _SRC = Path(__file__).with_name("kernels.c")
+# DILOCO_SANITIZE=address,undefined: both libraries built with those sanitizers, to debug them
+# (separate libraries in the cache, "-sanitized" in their names). A process that loads an
+# address-sanitized library must have the sanitizer's runtime preloaded, and libstdc++ with it
+# (LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)");
+# without it the load fails and the fallback runs, with the reason logged. The test suite runs
+# every kernel so (tests/test_fused.py, tests/test_kernels.py).
+SANITIZE_ENV = "DILOCO_SANITIZE"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _done = False
 
@@ -113,6 +120,22 @@ def _compiled(name: str, src: Path, compiler: str, flags: list[str],
     return lib
 
 
+def _sanitize_flags() -> list[str]:
+    """The compiler flags ``DILOCO_SANITIZE=NAME,…`` asks for (none where it is unset;
+    a value that is not a list of names is logged and ignored)."""
+    value = os.environ.get(SANITIZE_ENV, "").strip().lower()
+    if not value:
+        return []
+    if not re.fullmatch(r"[a-z]+(,[a-z]+)*", value):
+        log.warning("%s=%r is not a list of sanitizer names (e.g. address,undefined): "
+                    "ignored", SANITIZE_ENV, value[:80])
+        return []
+    # -O1 (after the -O3 before it: the last one counts): the same loads and stores, the
+    # vector code written out as it is, in half the build time
+    return ["-O1", f"-fsanitize={value}", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g"]
+
+
 def _build() -> ctypes.CDLL | None:
     if os.environ.get("DILOCO_KERNELS", "").lower() == "numpy":
         return None
@@ -120,7 +143,9 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: the merge runs on numpy (slower; install gcc)")
         return None
-    lib = _compiled("kernels", _SRC, cc, _FLAGS, "the merge runs on numpy")
+    sanitize = _sanitize_flags()
+    lib = _compiled("kernels" + ("-sanitized" if sanitize else ""), _SRC, cc,
+                    [*_FLAGS, *sanitize], "the merge runs on numpy")
     if lib is None:
         return None
     try:
@@ -139,13 +164,6 @@ _FUSED_SRC = Path(__file__).with_name("fused.cc")
 # -ffp-contract=fast: multiply-adds fused (no bit-for-bit twin to match, unlike the merge)
 _FUSED_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20"]
 FUSED_ENV = "DILOCO_FUSED"
-# DILOCO_FUSED_SANITIZE=address,undefined: the fused kernels built with those sanitizers, to
-# debug them (a separate library in the cache). A process that loads an address-sanitized
-# library must have the sanitizer's runtime preloaded (LD_PRELOAD="$(c++
-# -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)"); without it the load
-# fails and XLA runs the definitions, with the reason logged. tests/test_fused.py runs every
-# kernel so.
-SANITIZE_ENV = "DILOCO_FUSED_SANITIZE"
 _fused_backend: str | None = None
 
 
@@ -196,22 +214,6 @@ def _fused_library() -> Path | None:
     # the FFI headers come with jaxlib: a new jaxlib is a new build
     name = f"fused-jaxlib{jaxlib.__version__}" + ("-sanitized" if sanitize else "")
     return _compiled(name, _FUSED_SRC, cxx, flags, "the model's fused operations run as XLA's")
-
-
-def _sanitize_flags() -> list[str]:
-    """The compiler flags ``DILOCO_FUSED_SANITIZE=NAME,…`` asks for (none where it is unset;
-    a value that is not a list of names is logged and ignored)."""
-    value = os.environ.get(SANITIZE_ENV, "").strip().lower()
-    if not value:
-        return []
-    if not re.fullmatch(r"[a-z]+(,[a-z]+)*", value):
-        log.warning("%s=%r is not a list of sanitizer names (e.g. address,undefined): "
-                    "ignored", SANITIZE_ENV, value[:80])
-        return []
-    # -O1 (after the -O3 before it: the last one counts): the same loads and stores, the
-    # vector code written out as it is, in half the build time
-    return ["-O1", f"-fsanitize={value}", "-fno-sanitize-recover=all",
-            "-fno-omit-frame-pointer", "-g"]
 
 
 def _register_fused() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # One persistent JAX compilation cache for this session, shared with every process a test starts
 # (they inherit the environment): most tests run the same tiny models, and a fresh process would
@@ -51,10 +52,12 @@ def _kernels_built():
     native.build()
 
 
-def _runtime(compiler: str, name: str) -> str | None:
+def _runtime(compiler: str | None, name: str) -> str | None:
     """The path of the compiler's runtime library `name`, or None where it has none."""
     import subprocess
 
+    if compiler is None:
+        return None
     done = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True,
                           text=True, timeout=60, check=False)
     path = done.stdout.strip()
@@ -62,8 +65,8 @@ def _runtime(compiler: str, name: str) -> str | None:
 
 
 class Sanitizer:
-    """`env`: the environment of a child process that builds and loads the compiled kernels
-    with the address and undefined-behaviour sanitizers (`workers.native.SANITIZE_ENV`), the
+    """`env`: the environment of a child process that loads the compiled kernels built with
+    the address and undefined-behaviour sanitizers (`workers.native.SANITIZE_ENV`), the
     sanitizer's runtime preloaded, and libstdc++ with it (its exception interceptors need it
     from the start)."""
 
@@ -78,21 +81,31 @@ class Sanitizer:
 
 @pytest.fixture
 def sanitizer() -> Sanitizer:
-    """A `Sanitizer`; skips where the C++ compiler has no address-sanitizer runtime."""
+    """A `Sanitizer`, both libraries built (by a process without the preload, so that the
+    compilers do not run under it); skips where the compilers have no address-sanitizer
+    runtime, or not the same one, or where a process does not start with it."""
+    import subprocess
+    import sys
+
     from workers import native
 
-    cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-           or shutil.which("clang++"))
-    if cxx is None:
-        pytest.skip("no C++ compiler on this machine")
+    cxx = native._cxx()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     asan, stdcxx = _runtime(cxx, "libasan.so"), _runtime(cxx, "libstdc++.so")
-    if asan is None or stdcxx is None:
-        pytest.skip(f"{cxx} has no address sanitizer runtime here")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", native.SANITIZE_ENV: "address,undefined",
-           "LD_PRELOAD": f"{asan} {stdcxx}", "ASAN_OPTIONS": "detect_leaks=0",
+    if asan is None or stdcxx is None or _runtime(cc, "libasan.so") != asan:
+        pytest.skip(f"no address-sanitizer runtime shared by {cc} and {cxx} here")
+    base = {k: v for k, v in os.environ.items()
+            if k not in (native.FUSED_ENV, "DILOCO_KERNELS", "LD_PRELOAD")}
+    base.update({"JAX_PLATFORMS": "cpu", native.SANITIZE_ENV: "address,undefined"})
+    build = subprocess.run([sys.executable, "-c", "from workers import native; native.build()"],
+                           cwd=Path(__file__).resolve().parents[1], env=base,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert build.returncode == 0, build.stderr[-3000:]
+    env = {**base, "LD_PRELOAD": f"{asan} {stdcxx}", "ASAN_OPTIONS": "detect_leaks=0",
            "UBSAN_OPTIONS": "print_stacktrace=1"}
-    for name in (native.FUSED_ENV, "DILOCO_KERNELS"):
-        env.pop(name, None)
+    if subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True,
+                      timeout=120, check=False).returncode != 0:
+        pytest.skip("a process with the address sanitizer's runtime preloaded fails here")
     return Sanitizer(env)
 
 

@@ -42,11 +42,12 @@ log = logging.getLogger("diloco.native")
 
 _SRC = Path(__file__).with_name("kernels.c")
 # DILOCO_SANITIZE=address,undefined: both libraries built with those sanitizers, to debug them
-# (separate libraries in the cache, "-sanitized" in their names). A process that loads an
-# address-sanitized library must have the sanitizer's runtime preloaded, and libstdc++ with it
-# (LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)");
-# without it the load fails and the fallback runs, with the reason logged. The test suite runs
-# every kernel so (tests/test_fused.py, tests/test_kernels.py).
+# (separate libraries in the cache, "-sanitized" in their names). An address-sanitized library
+# loads only into a process that has the sanitizer's runtime preloaded, and libstdc++ with it
+# (LD_PRELOAD="$(c++ -print-file-name=libasan.so) $(c++ -print-file-name=libstdc++.so)"):
+# without it the runtime would stop the process, so the library is built but not loaded, and
+# the fallback runs, with the reason logged. The test suite runs every kernel so
+# (tests/test_fused.py, tests/test_kernels.py).
 SANITIZE_ENV = "DILOCO_SANITIZE"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _done = False
@@ -126,7 +127,7 @@ def _sanitize_flags() -> list[str]:
     value = os.environ.get(SANITIZE_ENV, "").strip().lower()
     if not value:
         return []
-    if not re.fullmatch(r"[a-z]+(,[a-z]+)*", value):
+    if not re.fullmatch(r"[a-z][a-z-]*(,[a-z][a-z-]*)*", value):
         log.warning("%s=%r is not a list of sanitizer names (e.g. address,undefined): "
                     "ignored", SANITIZE_ENV, value[:80])
         return []
@@ -134,6 +135,28 @@ def _sanitize_flags() -> list[str]:
     # vector code written out as it is, in half the build time
     return ["-O1", f"-fsanitize={value}", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer", "-g"]
+
+
+def _loadable(lib: Path, what: str) -> bool:
+    """Whether this process can load `lib`: not an address-sanitized build into a process
+    without the sanitizer's runtime (its check would stop the process: logged instead)."""
+    if "address" not in " ".join(_sanitize_flags()):
+        return True
+    try:
+        loaded = "libasan" in Path("/proc/self/maps").read_text()
+    except OSError:
+        loaded = False
+    if not loaded:
+        log.warning("%s is built with the address sanitizer, whose runtime this process has "
+                    "not preloaded (LD_PRELOAD: docs/OPERATIONS.md, %s): %s", lib.name,
+                    SANITIZE_ENV, what)
+    return loaded
+
+
+def _cxx() -> str | None:
+    """The C++ compiler: ``$CXX``, else the system's."""
+    return (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+            or shutil.which("clang++"))
 
 
 def _build() -> ctypes.CDLL | None:
@@ -146,7 +169,7 @@ def _build() -> ctypes.CDLL | None:
     sanitize = _sanitize_flags()
     lib = _compiled("kernels" + ("-sanitized" if sanitize else ""), _SRC, cc,
                     [*_FLAGS, *sanitize], "the merge runs on numpy")
-    if lib is None:
+    if lib is None or not _loadable(lib, "the merge runs on numpy"):
         return None
     try:
         dll = ctypes.CDLL(str(lib))
@@ -203,8 +226,7 @@ def _fused_library() -> Path | None:
     import jax
     import jaxlib
 
-    cxx = (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-           or shutil.which("clang++"))
+    cxx = _cxx()
     if cxx is None:
         log.warning("no C++ compiler found: the model's fused operations run as XLA's "
                     "(attention, layer norms, GELU, weight gradients: slower; install g++)")
@@ -218,7 +240,7 @@ def _fused_library() -> Path | None:
 
 def _register_fused() -> bool:
     lib = _fused_library()
-    if lib is None:
+    if lib is None or not _loadable(lib, "the model's fused operations run as XLA's"):
         return False
     import jax
 

@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ]; then
 fi
 # the compiled kernels, built once into ~/.cache/diloco (the processes would build them at their
 # first start otherwise: several learners starting at once would each run the compilers)
-"$PY" -c 'from workers import native; native.build()' || true
+.venv/bin/diloco build-kernels || true
 
 case "$what" in
   run)  exec .venv/bin/diloco run "$@" ;;

@@ -814,3 +814,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DilocoGeluBwd, gelu_bwd_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The width in bits of the widest vector registers this build targets: the kernels keep their
+// blocks (8 rows x 16 lanes of scores, 8 x 32 of a weight gradient) in registers only where
+// one register holds 16 floats; with narrower ones the blocks spill to memory
+// (`workers/native.py` uses the kernels only at 512 bits unless told otherwise).
+extern "C" __attribute__((visibility("default"))) int diloco_fused_vector_bits() {
+#if defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX__)
+  return 256;
+#else
+  return 128;
+#endif
+}

@@ -49,16 +49,31 @@ _SRC = Path(__file__).with_name("kernels.c")
 # the fallback runs, with the reason logged. The test suite runs every kernel so
 # (tests/test_fused.py, tests/test_kernels.py).
 SANITIZE_ENV = "DILOCO_SANITIZE"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+# DILOCO_KERNEL_MARCH=TARGET: both libraries built for that -march (e.g. x86-64-v4 in an image
+# that runs on many hosts of one kind) instead of the building host's CPU ("native")
+MARCH_ENV = "DILOCO_KERNEL_MARCH"
+_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _done = False
 
 
-def install() -> str:
-    """Build (once per machine) and install the C kernels; returns the backend in use."""
+def _march() -> str:
+    """The ``-march`` flag both libraries are built with (``$DILOCO_KERNEL_MARCH``, default
+    native; a value that is no target name is logged and ignored)."""
+    value = os.environ.get(MARCH_ENV, "").strip()
+    if value and not re.fullmatch(r"[a-z0-9][a-z0-9._+-]{0,63}", value):
+        log.warning("%s=%r is not a -march target name: native used", MARCH_ENV, value[:80])
+        value = ""
+    return f"-march={value or 'native'}"
+
+
+def install(build: bool = True) -> str:
+    """Build (once per machine) and install the C kernels; returns the backend in use. Without
+    `build`, only a library already in the cache is loaded (else numpy merges: the same bits),
+    so that a tool that merges now and then never runs the compiler."""
     global _done
     if not _done:
         _done = True
-        kernels.install(_build())
+        kernels.install(_build(build))
     return kernels.backend()
 
 
@@ -92,15 +107,23 @@ def _compiler_key(compiler: str) -> str:
 
 
 def _compiled(name: str, src: Path, compiler: str, flags: list[str],
-              what: str) -> Path | None:
-    """The cached shared library built from `src` (building it first if needed); None, with a
-    warning naming `what` falls back, when the build fails."""
-    data = src.read_bytes()
+              what: str, build: bool = True) -> Path | None:
+    """The cached shared library built from `src` (building it first if needed and `build`);
+    None, with a warning naming `what` falls back, when the source cannot be read or the build
+    fails (without `build`, None where the cache does not hold it yet)."""
+    try:
+        data = src.read_bytes()
+    except OSError as err:
+        log.warning("reading %s failed (%s): %s", src, err, what)
+        return None
     key = hashlib.sha256(b"\0".join([data, " ".join(flags).encode(),
                                      _compiler_key(compiler).encode(), _cpu_key().encode(),
                                      platform.machine().encode()]))
     cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
     lib = cache / f"{name}-{key.hexdigest()[:16]}.so"
+    if not lib.exists() and not build:
+        log.info("%s is not built yet (diloco build-kernels): %s", src.name, what)
+        return None
     if not lib.exists():
         try:
             cache.mkdir(parents=True, exist_ok=True)
@@ -159,7 +182,7 @@ def _cxx() -> str | None:
             or shutil.which("clang++"))
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(build: bool = True) -> ctypes.CDLL | None:
     if os.environ.get("DILOCO_KERNELS", "").lower() == "numpy":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -168,7 +191,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     sanitize = _sanitize_flags()
     lib = _compiled("kernels" + ("-sanitized" if sanitize else ""), _SRC, cc,
-                    [*_FLAGS, *sanitize], "the merge runs on numpy")
+                    [*_FLAGS, _march(), *sanitize], "the merge runs on numpy", build)
     if lib is None or not _loadable(lib, "the merge runs on numpy"):
         return None
     try:
@@ -185,23 +208,51 @@ def _build() -> ctypes.CDLL | None:
 
 _FUSED_SRC = Path(__file__).with_name("fused.cc")
 # -ffp-contract=fast: multiply-adds fused (no bit-for-bit twin to match, unlike the merge)
-_FUSED_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20"]
+_FUSED_FLAGS = ["-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c++20"]
 FUSED_ENV = "DILOCO_FUSED"
-_fused_backend: str | None = None
+# the kernels keep their blocks in 512-bit registers; narrower ones spill them, and the step
+# is then slower than XLA's own (BENCHMARKS §8: 3.6x on an AVX2 build of the same host)
+FUSED_MIN_VECTOR_BITS = 512
+_registered: bool | None = None  # whether the library is built, loaded and registered
+_vector_bits = 0  # the widest vector registers the library was built for
+_said_narrow = False
 
 
 def install_fused() -> str:
     """Build (once per machine), register and install the fused kernels of the model's step;
-    returns the backend in use: "fused", or "xla" (the JAX definitions) with the reason
-    logged. ``DILOCO_FUSED=xla`` turns them all off, ``DILOCO_FUSED=xla:gelu,dense`` those
-    named (of `pipeline.fused.KERNELS`: to compare, or to rule one out). Call it before the
-    first step is traced; steps traced before keep what they traced."""
-    global _fused_backend
-    if _fused_backend is None:
-        _fused_backend = "fused" if _register_fused() else "xla"
-    if _fused_backend == "fused":
+    returns the backend the step will use: "fused", or "xla" (the JAX definitions) with the
+    reason logged. The kernels run where they are built for 512-bit vector registers
+    (AVX-512); elsewhere XLA's operations are faster, and run, unless ``DILOCO_FUSED=fused``
+    asks for the kernels anyway. ``DILOCO_FUSED=xla`` turns them all off,
+    ``DILOCO_FUSED=xla:gelu,dense`` those named (of `pipeline.fused.KERNELS`: to compare, or
+    to rule one out). Call it before the first step is traced; steps traced before keep what
+    they traced."""
+    global _registered
+    if _registered is None:
+        _registered = _register_fused()
+    backend = _fused_choice() if _registered else "xla"
+    if backend == "fused":
         fused.install(_disabled_kernels())
-    return _fused_backend
+    else:
+        fused.uninstall()
+    return backend
+
+
+def _fused_choice() -> str:
+    """"fused" where the registered kernels should run, "xla" (logged once) where the build's
+    vectors are too narrow for them and ``DILOCO_FUSED=fused`` does not insist."""
+    global _said_narrow
+    value = os.environ.get(FUSED_ENV, "").strip().lower()
+    if value == "xla":
+        return "xla"
+    if _vector_bits >= FUSED_MIN_VECTOR_BITS or value == "fused":
+        return "fused"
+    if not _said_narrow:
+        _said_narrow = True
+        log.info("the fused kernels are built for %d-bit vectors (%s), where they are slower "
+                 "than XLA's operations: the model's operations run as XLA's (%s=fused uses "
+                 "the kernels anyway)", _vector_bits, _march(), FUSED_ENV)
+    return "xla"
 
 
 def _disabled_kernels() -> list[str]:
@@ -232,13 +283,14 @@ def _fused_library() -> Path | None:
                     "(attention, layer norms, GELU, weight gradients: slower; install g++)")
         return None
     sanitize = _sanitize_flags()
-    flags = [*_FUSED_FLAGS, f"-I{jax.ffi.include_dir()}", *sanitize]
+    flags = [*_FUSED_FLAGS, _march(), f"-I{jax.ffi.include_dir()}", *sanitize]
     # the FFI headers come with jaxlib: a new jaxlib is a new build
     name = f"fused-jaxlib{jaxlib.__version__}" + ("-sanitized" if sanitize else "")
     return _compiled(name, _FUSED_SRC, cxx, flags, "the model's fused operations run as XLA's")
 
 
 def _register_fused() -> bool:
+    global _vector_bits
     lib = _fused_library()
     if lib is None or not _loadable(lib, "the model's fused operations run as XLA's"):
         return False
@@ -246,6 +298,7 @@ def _register_fused() -> bool:
 
     try:
         dll = ctypes.CDLL(str(lib))
+        _vector_bits = int(dll.diloco_fused_vector_bits())
         for target, symbol in fused.SYMBOLS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(dll, symbol)),
                                         platform="cpu")

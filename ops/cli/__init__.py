@@ -17,6 +17,14 @@ from workers.heap import keep_freed_memory
 
 # In the order they appear in --help.
 _COMMANDS = (run, roles, tools, security, chaos, lab, bench, goodput)
+# The compiled kernels are installed only where they run: the merge kernels in the commands
+# that merge in this process (building them on first use; `replay` only loads a library already
+# built, else merges with numpy: the same bits), the fused step kernels in those that train
+# or evaluate a model here. The syncer and learner roles install what they use themselves;
+# status, inspect, export, plot and the rest never run a compiler.
+_MERGE = {"run", "chaos", "lab", "bench"}
+_MERGE_IF_BUILT = {"replay"}
+_MODEL = {"run", "eval", "sample", "chaos", "lab", "bench"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command != "syncer":  # a syncer trains nothing; its merge threads keep their arenas
         keep_freed_memory()  # before JAX runs anything: a jitted step reuses its scratch memory
-    native.install()  # the merge kernels, for every command that merges (run, bench, replay…)
+    if args.command in _MERGE or args.command in _MERGE_IF_BUILT:
+        native.install(build=args.command in _MERGE)
     apply_environment()
-    if args.command != "syncer":  # the fused kernels, for every command that trains
+    if args.command in _MODEL:
         native.install_fused()
     return int(args.func(args) or 0)

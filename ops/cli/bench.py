@@ -1,5 +1,5 @@
 """`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|cluster|
-security|step|step-loop|step-flags|s1|s2|poison|lab`:
+security|step|step-loop|step-flags|step-matrix|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import islands, lab, pipeline, quality, resilience, step
+from ops.bench import islands, lab, pipeline, quality, resilience, step, step_matrix
 from ops.chaos import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
@@ -112,6 +112,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="comma-separated subset of: " + "; ".join(
                                resilience.S2_VARIANTS))
         b.set_defaults(func=_resilience)
+    b = bsub.add_parser("step-matrix", help="the shipped step vs XLA's operations in every "
+                        "setting (alone, one thread, four learners paced/unpaced/pinned)")
+    b.add_argument("--reps", type=int, default=3, help="alternating repetitions")
+    b.add_argument("--bare-steps", type=int, default=30, help="timed steps of a bare step")
+    b.add_argument("--run-steps", type=int, default=80, help="steps per learner of a run")
+    b.add_argument("--settings", default=",".join(step_matrix.SETTINGS),
+                   help="comma-separated subset of: " + ", ".join(step_matrix.SETTINGS))
+    b.add_argument("--variants", default="",
+                   help="comma-separated subset of: " + ", ".join(step_matrix.VARIANTS)
+                        + " (default: all; fused-avx2 on x86-64 only)")
+    b.add_argument("--out", default="runs/bench-step-matrix")
+    b.set_defaults(func=_step_matrix)
     b = bsub.add_parser("poison", help="the poison guard on real processes: one learner of "
                         "four poisoned, guard on vs off, beside the clean run")
     b.add_argument("--steps", type=int, default=1000, help="inner steps per learner")
@@ -174,6 +186,24 @@ def _pipeline(fn, args: argparse.Namespace) -> int:
     result["machine"] = pipeline.machine()
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def _step_matrix(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    variants = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = ([n for n in names if n not in step_matrix.SETTINGS]
+               + [n for n in variants if n not in step_matrix.VARIANTS])
+    if unknown or args.reps < 1:
+        return fail(f"bench step-matrix: unknown setting or variant {', '.join(unknown)}"
+                    if unknown else "bench step-matrix: --reps must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = step_matrix.bench_step_matrix(args.reps, args.bare_steps, args.run_steps, names,
+                                           variants or None, progress=_progress)
+    result["machine"] = pipeline.machine()
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(step_matrix.format_table(result))
     return 0
 
 

@@ -5,6 +5,7 @@ exit code."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import numpy as np
@@ -21,6 +22,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_replay(sub)
     _add_checkpoint_tools(sub)
     _add_plot(sub)
+    p = sub.add_parser("build-kernels", help="compile the merge and step kernels into the "
+                       "kernel cache now (an installer's or an image's step)",
+                       description="Build the compiled kernels (workers/kernels.c, "
+                       "workers/fused.cc) into $DILOCO_KERNEL_CACHE (default ~/.cache/diloco), "
+                       "for this host's CPU or $DILOCO_KERNEL_MARCH, so that no process compiles "
+                       "at its first start. Exit 0 with the kernels that could not be built "
+                       "named: the processes then run numpy's merge and XLA's operations.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_build_kernels)
+
+
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Entry point of ``diloco build-kernels``; returns the exit code."""
+    from workers import native
+
+    built = native.build()
+    if args.json:
+        print(json.dumps(built))
+    else:
+        for name, ok in built.items():
+            print(f"{name}: {'built' if ok else 'not built (see the warning above)'}")
+    return 0
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ command line (``ops/cli/run.py``) prints it and shows live progress through a ca
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,19 +37,25 @@ class Launcher:
     """One `diloco run` in a run folder: start, watch, summarise."""
 
     def __init__(self, cfg: RunConfig, run: str, redis_url: str, run_dir: Path, *,
-                 learner_args: list[str] | None = None, eval_every_s: float = 15.0):
+                 learner_args: list[str] | None = None, eval_every_s: float = 15.0,
+                 pin_learners: bool = False):
         self.cfg = cfg
         self.run_dir = run_dir
         self.learner_args = learner_args or []
+        self.pin_learners = pin_learners  # learner m on the m-th core this process may use
         self.eval_every_s = eval_every_s
         self.sup = Supervisor(cfg, run, redis_url, run_dir)
         self.history: list[dict] = []
 
     def start(self) -> None:
         self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run, cfg=self.cfg))
+        cores = sorted(os.sched_getaffinity(0))
         for m in range(self.cfg.learners):
             self.sup.spawn(f"L{m}", role_cmd("learner", self.sup.url, self.sup.run,
                                              "--id", f"L{m}", *self.learner_args, cfg=self.cfg))
+            if self.pin_learners:
+                # set before the interpreter has started: the threads JAX starts inherit it
+                os.sched_setaffinity(self.sup.procs[f"L{m}"].pid, {cores[m % len(cores)]})
 
     def evaluate(self, corpus: Data, log: artifacts.MetricsLog, t0: float) -> dict | None:
         try:
@@ -140,7 +147,8 @@ class Launcher:
 
 def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
                     redis_url: str | None = None, pace_s: float = 0.0,
-                    progress: Callable[[Launcher, float], None] | None = None) -> dict:
+                    progress: Callable[[Launcher, float], None] | None = None,
+                    pin_learners: bool = False) -> dict:
     """Run the job with real processes; return the summary (also written to the run folder).
 
     Args:
@@ -150,6 +158,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         redis_url: Use this Redis; None: start an embedded redis-server for the run.
         pace_s: Pace every learner's inner step to this wall time (0: as fast as it goes).
         progress: Called about once a second with the launcher and the seconds since start.
+        pin_learners: Pin learner m to the m-th core of this process's (round robin).
 
     Raises:
         ValueError: The mode runs only in-process.
@@ -168,7 +177,8 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         artifacts.write_config(run_dir, cfg)
         log = artifacts.MetricsLog(run_dir / "metrics.jsonl")
         la = Launcher(cfg, run_name, url, run_dir,
-                      learner_args=["--pace-s", str(pace_s)] if pace_s else [])
+                      learner_args=["--pace-s", str(pace_s)] if pace_s else [],
+                      pin_learners=pin_learners)
         corpus = la.sup.task.data()
         initial = la.sup.evaluate_params(la.sup.task.init_params(cfg.seed),
                                          corpus)["eval_loss"]

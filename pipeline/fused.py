@@ -20,9 +20,10 @@ scores in registers and recomputes them in the backward pass from each row's log
 the layer norm and GELU one pass each way; for a weight gradient, blocks of the result summed
 in registers, the sum over rows cut into ranges (fixed by the shape) that the threads share
 — registers its XLA FFI targets and calls `install`. From then on all four run the kernels
-(each wrapped in a `jax.custom_vjp`) wherever they can: float32 operands, the CPU backend,
-outside `unfused()`. Everywhere else they are the definitions: without a C++ compiler, with
-``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a multi-device island
+(each wrapped in a `jax.custom_vjp`) wherever they can: float32 operands, a program lowered
+for the CPU (`jax.lax.platform_dependent`: a program lowered or exported for a GPU or TPU holds
+the definitions), outside `unfused()`. Everywhere else they are the definitions: without a C++
+compiler, with ``DILOCO_FUSED=xla``, on GPUs and TPUs, and inside a multi-device island
 (`pipeline.mesh.Placement`, whose partitioner cannot split a foreign call). Kernel and
 definition agree to float32 rounding (tests/test_fused.py checks values and gradients), not
 bit for bit; the kernels' results do not depend on the thread count. The
@@ -112,10 +113,18 @@ def unfused(*kernels: str) -> Iterator[None]:
 
 
 def _use_kernel(kernel: str, *operands: jax.Array) -> bool:
+    """Whether `kernel` is traced (beside its definition: `_on_cpu` picks by platform)."""
     off = getattr(_local, "off", None)
     return (_installed and kernel not in _disabled and not (off and off[kernel])
-            and all(x.dtype == jnp.float32 for x in operands)
-            and jax.default_backend() == "cpu")
+            and all(x.dtype == jnp.float32 for x in operands))
+
+
+def _on_cpu(kernel, definition, *args):
+    """`kernel(*args)` where the computation is lowered for the CPU, `definition(*args)` for
+    any other platform: chosen by the platform the program is lowered for (a GPU or TPU
+    program, an export for them, never holds the CPU kernels' calls), not by the process's
+    default backend."""
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=definition)
 
 
 def attention_reference(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
@@ -171,7 +180,8 @@ def causal_attention(qkv: jax.Array, b: int, t: int, h: int) -> jax.Array:
                          f"for b={b}, t={t}, h={h}")
     if (_use_kernel("attention", qkv) and b * t > 0
             and qkv.shape[-1] // (3 * h) <= MAX_HEAD_DIM):
-        return _fused(qkv, b, t, h)
+        return _on_cpu(lambda x: _fused(x, b, t, h),
+                       lambda x: attention_reference(x, b, t, h), qkv)
     return attention_reference(qkv, b, t, h)
 
 
@@ -216,7 +226,7 @@ def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
     matrix and ``[d]`` scale and shift, any other shape runs the definition."""
     if (x.ndim == 2 and g.shape == b.shape == x.shape[1:] and x.shape[0] > 0
             and x.shape[1] > 0 and _use_kernel("layer_norm", x, g, b)):
-        return _fused_norm(x, g, b)
+        return _on_cpu(_fused_norm, layer_norm_reference, x, g, b)
     return layer_norm_reference(x, g, b)
 
 
@@ -250,7 +260,7 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     ``x @ w`` as it is."""
     if (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[0] and x.size and w.size
             and _use_kernel("dense", x, w)):
-        return _fused_dense(x, w)
+        return _on_cpu(_fused_dense, jnp.matmul, x, w)
     return x @ w
 
 
@@ -280,5 +290,5 @@ _fused_gelu.defvjp(_fused_gelu_fwd, _fused_gelu_bwd)
 def gelu(x: jax.Array) -> jax.Array:
     """GELU (tanh form) elementwise, of any shape (see the module docstring)."""
     if x.size and _use_kernel("gelu", x):
-        return _fused_gelu(x)
+        return _on_cpu(_fused_gelu, gelu_reference, x)
     return gelu_reference(x)

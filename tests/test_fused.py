@@ -309,7 +309,11 @@ print(json.dumps(out))
 
 
 def _child(env_extra: dict[str, str], cpus: str | None = None) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_extra}
+    """`_CHILD` in a process of its own: this environment without the ``DILOCO_*`` variables
+    but the kernel cache's (the suite may run under any of them), and `env_extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DILOCO_") or k == "DILOCO_KERNEL_CACHE"}
+    env = {**env, "JAX_PLATFORMS": "cpu", **env_extra}
     cmd = [sys.executable, "-c", _CHILD]
     if cpus is not None:
         cmd = ["taskset", "-c", cpus, *cmd]
@@ -355,15 +359,24 @@ def test_the_kernels_run_only_where_they_are_built_for_512_bit_vectors(tmp_path)
     several times slower than XLA's operations), the step runs XLA's operations and says
     why; ``DILOCO_FUSED=fused`` runs the kernels anyway, and they still agree with the
     definitions. Built for AVX-512 (on a host that has it), they run."""
-    env = {native.MARCH_ENV: "x86-64-v3", "DILOCO_KERNEL_CACHE": str(tmp_path / "cache")}
+    env = {native.MARCH_ENV: "x86-64-v3", "DILOCO_KERNEL_CACHE": str(tmp_path / "cache"),
+           native.FUSED_ENV: ""}
+    if not native._host_runs("-march=x86-64-v3"):
+        pytest.skip("this CPU has no AVX2")
     auto = _child(env)
+    if auto["vector_bits"] == 0:
+        pytest.skip(f"the compiler cannot build for x86-64-v3: {auto['stderr'][-500:]}")
     assert auto["vector_bits"] == 256 and auto["backend"] == "xla"
     assert "built for 256-bit vectors (-march=x86-64-v3)" in auto["stderr"]
     forced = _child({**env, native.FUSED_ENV: "fused"})
     assert forced["backend"] == "fused" and forced["vector_bits"] == 256
-    if "avx512f" in Path("/proc/cpuinfo").read_text():
+    if native._host_runs("-march=x86-64-v4"):
         wide = _child({**env, native.MARCH_ENV: "x86-64-v4"})
         assert wide["vector_bits"] == 512 and wide["backend"] == "fused"
+    else:  # code this CPU cannot run is not loaded
+        wide = _child({**env, native.MARCH_ENV: "x86-64-v4"})
+        assert wide["backend"] == "xla" and "this CPU cannot run code built for it" in \
+            wide["stderr"]
 
 
 def test_a_kernel_target_name_is_checked(monkeypatch, caplog):
@@ -499,3 +512,91 @@ def test_sanitizer_names_are_checked(monkeypatch, caplog):
     assert "is not a list of sanitizer names" in caplog.text
     monkeypatch.delenv(native.SANITIZE_ENV)
     assert native._sanitize_flags() == []
+
+
+_EXPORT = """
+import json
+import jax, numpy as np
+from jax import export
+from pipeline import fused
+from pipeline.config import RunConfig
+from pipeline.mesh import Placement
+from pipeline.task import task_of
+from pipeline.train import make_step
+from workers import native
+out = {"backend": native.install_fused()}
+cfg = RunConfig()
+task = task_of(cfg)
+opt = task.optimizer()
+params = task.init_params(0)
+state = opt.init(params)
+batch = np.zeros((cfg.inner.batch_size, cfg.model.seq_len + 1), np.int32)
+steps = {"learner": make_step(task, opt), "island": Placement(1).step(task, opt)}
+targets = sorted(fused.SYMBOLS)
+checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets]
+for name, step in steps.items():
+    for platform in ("cpu", "cuda", "tpu"):
+        exp = export.export(step, platforms=[platform], disabled_checks=checks)(
+            params, state, batch)
+        text = exp.mlir_module()
+        out[name + "/" + platform] = [t for t in targets if t in text]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler on this machine")
+def test_the_kernels_are_chosen_by_the_platform_a_step_is_lowered_for():
+    """With the kernels installed as a learner installs them, the default model's learner step
+    and a one-device island's step exported for the CPU hold the kernels' calls, and exported
+    for CUDA and TPU (from this CPU-only process) hold none: the choice follows the platform
+    the program is lowered for, not the process's default backend."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", native.FUSED_ENV: "fused"}
+    done = subprocess.run([sys.executable, "-c", _EXPORT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "fused"
+    for name in ("learner", "island"):
+        assert out[f"{name}/cpu"] == sorted(fused.SYMBOLS), out
+        assert out[f"{name}/cuda"] == out[f"{name}/tpu"] == [], out
+
+
+_FALLBACK = """
+import json, logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO)
+from workers import native
+if sys.argv[1] == "missing-source":
+    native._SRC = native._FUSED_SRC = Path("/nonexistent/diloco-source.c")
+print(json.dumps({"merge": native.install(), "fused": native.install_fused()}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_CXX or not (os.environ.get("CC") or shutil.which("cc")
+                                          or shutil.which("gcc")),
+                    reason="no C or C++ compiler on this machine")
+@pytest.mark.parametrize("case", ["missing-source", "corrupt-library"])
+def test_a_missing_source_or_a_corrupt_cached_library_is_a_logged_fallback(tmp_path, case):
+    """Neither stops a process: numpy merges and XLA's operations run, and the log says why."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    if any(k.startswith("DILOCO_") and k != "DILOCO_KERNEL_CACHE" for k in os.environ):
+        pytest.skip("the libraries' names and fallbacks here are those of the defaults")
+    if case == "corrupt-library":  # the names the libraries have in the cache, garbage inside
+        for lib in (native._fused_library(), native._compiled(
+                "kernels", native._SRC, native.os.environ.get("CC") or shutil.which("cc")
+                or shutil.which("gcc"), [*native._FLAGS, native._march()], "")):
+            assert lib is not None and lib.exists()
+            (cache / lib.name).write_bytes(b"\x7fELF not a library")
+    env = {**base, "JAX_PLATFORMS": "cpu", "DILOCO_KERNEL_CACHE": str(cache),
+           native.FUSED_ENV: "fused"}
+    done = subprocess.run([sys.executable, "-c", _FALLBACK, case], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"merge": "numpy",
+                                                                "fused": "xla"}
+    said = "reading /nonexistent" if case == "missing-source" else f"loading {cache}/"
+    assert done.stderr.count(said) == 2, done.stderr[-3000:]
+    assert "the merge runs on numpy" in done.stderr
+    assert "the model's fused operations run as XLA's" in done.stderr

@@ -262,10 +262,11 @@ class Island:
             self.startup["first_step_at_s"] = age = process_age_s()
             took = self.startup.get("took_over_at_s")
             if age is not None:
-                log.info("%s: first step %.1f s after the process started (%sjoining began at "
-                         "%.1f s, joined at %.1f s)", self.id, age,
-                         "" if took is None else f"a warm spare, took over at {took:.1f} s, ",
-                         self.startup["join_at_s"] or 0.0, self.startup["joined_at_s"] or 0.0)
+                marks = ", ".join(f"{k.removesuffix('_at_s').replace('_', ' ')} {v:.1f} s"
+                                  for k, v in self.startup.items()
+                                  if k != "first_step_at_s" and v is not None)
+                log.info("%s: first step %.1f s after the process started (%s%s)", self.id, age,
+                         "" if took is None else "a warm spare; ", marks)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
         flat = self._flat(params)

@@ -153,6 +153,7 @@ class Learner:
     def train(self) -> None:
         cfg, island = self.cfg, self.island
         self.prepare()
+        island.startup.setdefault("data_at_s", process_age_s())  # the step compiles later
         step_fn = self.step_fn
         params, opt_state = island.start(opt_state=self._init_opt)
         while not island.done:
@@ -183,9 +184,12 @@ EXIT_SUPERSEDED = 3  # another process joined the run as this learner id: this o
 
 def main(cfg: LearnerConfig) -> int:
     """Train one learner to the run's step count, then take part in the final flush."""
+    # how far a cold start got when (logged with its first step: where a rejoin's time goes)
+    marks = {"imported_at_s": process_age_s()}
     keep_freed_memory()  # before JAX runs anything: each step reuses its scratch memory
     apply_environment()
     native.install_fused()  # before the step is traced
+    marks["kernels_at_s"] = process_age_s()
     if cfg.state_dir:  # a restarted learner loads its compiled steps instead of recompiling
         # spares keep their own folder: JAX writes entries without a lock, and a spare warms
         # up while the learner it stands in for runs
@@ -193,8 +197,10 @@ def main(cfg: LearnerConfig) -> int:
         enable_compile_cache(Path(cfg.state_dir) / f"{cfg.learner_id}.{kind}")
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task,
                    need_code=True)
+    marks["run_opened_at_s"] = process_age_s()
     zctx = zmq.Context()
     learner = Learner(cfg, ctx, zctx)
+    learner.island.startup.update(marks)
     if cfg.standby:
         took = False
         try:

@@ -1,10 +1,13 @@
 """Build, load and install the compiled kernels: the merge kernels (`workers/kernels.c`) and
 the default model's fused operations (`workers/fused.cc`).
 
-Each is compiled on first use into a per-user cache (``$DILOCO_KERNEL_CACHE``, default
-``~/.cache/diloco``), keyed by the source, the compiler and its version, the flags and the
-CPU (both are built with ``-march=native``), loaded from there afterwards and installed.
-Concurrent first uses each build a complete file and rename it into place.
+Each is compiled into a per-user cache (``$DILOCO_KERNEL_CACHE``, default
+``~/.cache/diloco``) by `diloco build-kernels` or on first use in a process that merges or
+trains, keyed by the source, the compiler and its version, the flags and the CPU (both are
+built with ``-march=native``, or ``-march=$DILOCO_KERNEL_MARCH``: e.g. ``x86-64-v4`` for an
+image that runs on many hosts), loaded from there afterwards and installed. Concurrent first
+uses each build a complete file and rename it into place. A source that cannot be read, a
+compiler that fails and a cached library that does not load are each a logged fallback.
 
 * The merge kernels (`install`): `pipeline/kernels.py` defines the merge passes in numpy; the
   C twin is built with the system C compiler (``cc``, or ``$CC``). Without a compiler (or with
@@ -15,11 +18,15 @@ Concurrent first uses each build a complete file and rename it into place.
   layer norm, GELU and the projections (whose weight gradient is a kernel) in JAX; the
   kernels are built with the system C++ compiler (``c++``/``g++``, or
   ``$CXX``) against the XLA FFI headers that jaxlib ships, and their targets are registered
-  with JAX for the CPU platform. Without a compiler (or with ``DILOCO_FUSED=xla``) it logs
-  why and XLA runs the JAX definitions: the same values to float32 rounding, slower
-  (``DILOCO_FUSED=xla:gelu,dense`` runs only the kernels not named). Every
-  process that trains calls it once at start (learners, data-parallel workers, `diloco`
-  commands other than `syncer`).
+  with JAX for the CPU platform. They run only where they are built for 512-bit vector
+  registers (AVX-512): their blocks of scores and of weight gradients fill 16 such registers,
+  and a narrower build spills them — an AVX2 build of the default model's step ran 3.6× slower
+  than XLA's own operations (BENCHMARKS §8) — so elsewhere XLA's operations run
+  (``DILOCO_FUSED=fused`` insists on the kernels). Without a compiler, on an accelerator (or
+  with ``DILOCO_FUSED=xla``) it logs why and XLA runs the JAX definitions: the same values to
+  float32 rounding (``DILOCO_FUSED=xla:gelu,dense`` runs only the kernels not named). Every
+  process that trains on the CPU calls it once at start (learners, data-parallel workers, the
+  `diloco` commands that run a model).
 """
 
 from __future__ import annotations
@@ -56,6 +63,29 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _done = False
 
 
+# what this host's CPU must have to run code built for the x86-64 levels (its /proc/cpuinfo
+# flags): a library built for a level this CPU lacks would stop the process (illegal
+# instruction), so it is not loaded
+_LEVEL_FLAGS = {"x86-64-v2": {"sse4_2", "popcnt", "ssse3"},
+                "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
+                "x86-64-v4": {"avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                              "avx512vl"}}
+
+
+def _host_runs(march: str) -> bool:
+    """Whether this host can run code built with `march` (``-march=NAME``): always for native,
+    by its CPU flags for the x86-64 levels, assumed for other names (the operator's word)."""
+    name = march.removeprefix("-march=")
+    need = _LEVEL_FLAGS.get(name)
+    if need is None:
+        return True
+    flags = set()
+    for line in _cpu_key().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    return need <= flags
+
+
 def _march() -> str:
     """The ``-march`` flag both libraries are built with (``$DILOCO_KERNEL_MARCH``, default
     native; a value that is no target name is logged and ignored)."""
@@ -72,8 +102,9 @@ def install(build: bool = True) -> str:
     so that a tool that merges now and then never runs the compiler."""
     global _done
     if not _done:
-        _done = True
-        kernels.install(_build(build))
+        lib = _build(build)
+        _done = lib is not None or build  # a later install() may still build it
+        kernels.install(lib)
     return kernels.backend()
 
 
@@ -116,8 +147,11 @@ def _compiled(name: str, src: Path, compiler: str, flags: list[str],
     except OSError as err:
         log.warning("reading %s failed (%s): %s", src, err, what)
         return None
+    # built for this CPU (-march=native): this CPU's model and flags are part of the key; for a
+    # named target, the same library serves every host of this architecture (an image's)
+    cpu = _cpu_key() if "-march=native" in flags else ""
     key = hashlib.sha256(b"\0".join([data, " ".join(flags).encode(),
-                                     _compiler_key(compiler).encode(), _cpu_key().encode(),
+                                     _compiler_key(compiler).encode(), cpu.encode(),
                                      platform.machine().encode()]))
     cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
     lib = cache / f"{name}-{key.hexdigest()[:16]}.so"
@@ -190,6 +224,10 @@ def _build(build: bool = True) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the merge runs on numpy (slower; install gcc)")
         return None
     sanitize = _sanitize_flags()
+    if not _host_runs(_march()):
+        log.warning("%s=%s: this CPU cannot run code built for it: the merge runs on numpy",
+                    MARCH_ENV, _march().removeprefix("-march="))
+        return None
     lib = _compiled("kernels" + ("-sanitized" if sanitize else ""), _SRC, cc,
                     [*_FLAGS, _march(), *sanitize], "the merge runs on numpy", build)
     if lib is None or not _loadable(lib, "the merge runs on numpy"):
@@ -228,9 +266,12 @@ def install_fused() -> str:
     to rule one out). Call it before the first step is traced; steps traced before keep what
     they traced."""
     global _registered
-    if _registered is None:
-        _registered = _register_fused()
-    backend = _fused_choice() if _registered else "xla"
+    if os.environ.get(FUSED_ENV, "").strip().lower() == "xla":
+        backend = "xla"  # nothing built or registered: a later call may still ask for them
+    else:
+        if _registered is None:
+            _registered = _register_fused()
+        backend = _fused_choice() if _registered else "xla"
     if backend == "fused":
         fused.install(_disabled_kernels())
     else:
@@ -243,8 +284,6 @@ def _fused_choice() -> str:
     vectors are too narrow for them and ``DILOCO_FUSED=fused`` does not insist."""
     global _said_narrow
     value = os.environ.get(FUSED_ENV, "").strip().lower()
-    if value == "xla":
-        return "xla"
     if _vector_bits >= FUSED_MIN_VECTOR_BITS or value == "fused":
         return "fused"
     if not _said_narrow:
@@ -273,6 +312,7 @@ def _fused_library() -> Path | None:
     """The fused kernels' shared library, built first if needed; None (with the reason
     logged) where it cannot be."""
     if os.environ.get(FUSED_ENV, "").lower() == "xla":
+        log.info("%s=xla: the fused kernels are not built", FUSED_ENV)
         return None
     import jax
     import jaxlib
@@ -281,6 +321,10 @@ def _fused_library() -> Path | None:
     if cxx is None:
         log.warning("no C++ compiler found: the model's fused operations run as XLA's "
                     "(attention, layer norms, GELU, weight gradients: slower; install g++)")
+        return None
+    if not _host_runs(_march()):
+        log.warning("%s=%s: this CPU cannot run code built for it: the model's fused "
+                    "operations run as XLA's", MARCH_ENV, _march().removeprefix("-march="))
         return None
     sanitize = _sanitize_flags()
     flags = [*_FUSED_FLAGS, _march(), f"-I{jax.ffi.include_dir()}", *sanitize]
@@ -291,11 +335,17 @@ def _fused_library() -> Path | None:
 
 def _register_fused() -> bool:
     global _vector_bits
+    import jax
+
+    if jax.default_backend() != "cpu":
+        # the step runs on an accelerator, where it is lowered with XLA's operations
+        # (`pipeline.fused` chooses by the platform): nothing to build or register
+        log.info("the model's step runs on %s: XLA's operations (the fused kernels are CPU "
+                 "code, not built)", jax.default_backend())
+        return False
     lib = _fused_library()
     if lib is None or not _loadable(lib, "the model's fused operations run as XLA's"):
         return False
-    import jax
-
     try:
         dll = ctypes.CDLL(str(lib))
         _vector_bits = int(dll.diloco_fused_vector_bits())

@@ -152,13 +152,15 @@ def verdict(cells: dict[str, dict[str, float]]) -> dict[str, Any]:
 def bench_step_matrix(reps: int = 3, bare_steps: int = 30, run_steps: int = 80,
                       settings: list[str] | None = None, variants: list[str] | None = None,
                       run_variants: list[str] | None = None, progress=print) -> dict[str, Any]:
-    """The matrix (see the module docstring): `reps` alternating repetitions of every setting
+    """The matrix (see the module docstring; ``shipped`` is always measured, the reference of
+    the others): `reps` alternating repetitions of every setting
     and variant (`run_variants`: the variants of the ``shared-*`` settings but
     ``shared-paced``, the issue's setting, which runs them all; default all but
     ``fused-avx2``, whose 4-learner runs take minutes each)."""
     settings = settings or list(SETTINGS)
     x86 = platform.machine() in ("x86_64", "AMD64")
-    variants = variants or [v for v in VARIANTS if x86 or v != "fused-avx2"]
+    variants = ["shipped", *[v for v in variants or VARIANTS
+                             if v != "shipped" and (x86 or v != "fused-avx2")]]
     run_variants = run_variants or [v for v in variants if v != "fused-avx2"]
     if not shutil.which("taskset"):
         settings = [s for s in settings if not (SETTINGS[s]["kind"] == "bare"

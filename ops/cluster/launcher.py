@@ -49,12 +49,13 @@ class Launcher:
 
     def start(self) -> None:
         self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run, cfg=self.cfg))
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(os.sched_getaffinity(0)) if self.pin_learners else []
         for m in range(self.cfg.learners):
             self.sup.spawn(f"L{m}", role_cmd("learner", self.sup.url, self.sup.run,
                                              "--id", f"L{m}", *self.learner_args, cfg=self.cfg))
             if self.pin_learners:
-                # set before the interpreter has started: the threads JAX starts inherit it
+                # set as the interpreter starts, before JAX starts its threads (they inherit
+                # it); a learner restarted later by the supervisor is not pinned
                 os.sched_setaffinity(self.sup.procs[f"L{m}"].pid, {cores[m % len(cores)]})
 
     def evaluate(self, corpus: Data, log: artifacts.MetricsLog, t0: float) -> dict | None:

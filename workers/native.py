@@ -266,8 +266,11 @@ def install_fused() -> str:
     to rule one out). Call it before the first step is traced; steps traced before keep what
     they traced."""
     global _registered
-    if os.environ.get(FUSED_ENV, "").strip().lower() == "xla":
+    value = os.environ.get(FUSED_ENV, "").strip().lower()
+    if value == "xla":
         backend = "xla"  # nothing built or registered: a later call may still ask for them
+    elif value != "fused" and _known_narrow():
+        backend = "xla"  # known before building: no compiler run for kernels left unused
     else:
         if _registered is None:
             _registered = _register_fused()
@@ -277,6 +280,36 @@ def install_fused() -> str:
     else:
         fused.uninstall()
     return backend
+
+
+def _expected_vector_bits() -> int | None:
+    """The vector width a build for `_march()` will have, where it is known without building:
+    for this CPU from its flags (x86: AVX-512, AVX; 128 on other architectures), for the
+    x86-64 levels from the level; None for other named targets (the library says)."""
+    name = _march().removeprefix("-march=")
+    if name != "native":
+        return {"x86-64-v4": 512, "x86-64-v3": 256, "x86-64-v2": 128, "x86-64": 128}.get(name)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return 128
+    flags: set[str] = set()
+    for line in _cpu_key().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    return 512 if "avx512f" in flags else 256 if "avx" in flags else 128
+
+
+def _known_narrow() -> bool:
+    """Whether the kernels would be built for vectors too narrow for them (logged once)."""
+    global _said_narrow
+    bits = _expected_vector_bits()
+    if bits is None or bits >= FUSED_MIN_VECTOR_BITS:
+        return False
+    if not _said_narrow:
+        _said_narrow = True
+        log.info("the fused kernels would be built for %d-bit vectors (%s), where they are "
+                 "slower than XLA's operations: the model's operations run as XLA's, nothing "
+                 "built (%s=fused uses the kernels anyway)", bits, _march(), FUSED_ENV)
+    return True
 
 
 def _fused_choice() -> str:
@@ -363,4 +396,6 @@ def build() -> dict[str, bool]:
     """Build both libraries into the cache now (where they are not there yet) without
     installing either: what an installer runs, so that no process pays for the compilers at
     its first start (several learners starting at once would each run them)."""
-    return {"merge": _build() is not None, "fused": _fused_library() is not None}
+    narrow = os.environ.get(FUSED_ENV, "").strip().lower() != "fused" and _known_narrow()
+    return {"merge": _build() is not None,
+            "fused": not narrow and _fused_library() is not None}

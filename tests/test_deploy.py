@@ -363,11 +363,22 @@ def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
 
 
 def test_the_dockerfile_installs_the_package_and_runs_diloco():
+    """The image installs the package as tests/test_installed.py does (a plain, non-editable
+    pip install of the source: everything pyproject.toml packages, nothing from a checkout at
+    run time) and runs the console script that test runs."""
+    import tomllib
+
     text = (DEPLOY / "Dockerfile").read_text()
-    copied = re.findall(r"^COPY (\S+)", text, re.M)
-    for pkg in ("pipeline", "workers", "broker", "ops"):  # what pyproject.toml packages
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    copied = [src for line in re.findall(r"^COPY (.+)$", text, re.M)
+              for src in line.split()[:-1]]
+    packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pkg in [p.rstrip("*") for p in packages] + ["pyproject.toml", "README.md"]:
         assert pkg in copied, pkg
-    assert 'ENTRYPOINT ["diloco"]' in text and "pip install --no-cache-dir ." in text
+    (script,) = project["project"]["scripts"]
+    assert script == "diloco"  # the script tests/test_installed.py runs every command with
+    assert f'ENTRYPOINT ["{script}"]' in text and "pip install --no-cache-dir ." in text
+    assert "pip install -e" not in text and "PYTHONPATH" not in text
     assert re.search(r"^USER \d+", text, re.M), "the image must not run as root"
     # every subcommand the manifest and the batch script call exists in the CLI
     docs = _docs()

@@ -251,3 +251,28 @@ def test_the_kernels_run_clean_under_the_address_and_undefined_behaviour_sanitiz
     report = sanitizer.reports(done.stdout + done.stderr)
     assert done.returncode == 0 and not report, (report or done.stderr.splitlines())[-40:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler on this machine")
+def test_a_library_built_for_another_cpu_is_a_cache_miss_and_a_named_target_is_shared(
+        monkeypatch, tmp_path):
+    """A library built for one CPU (-march=native) is never loaded on another: the cache is
+    keyed by the CPU, and the other CPU misses it (and would build its own). One built for a
+    named target (an image's) is keyed without the CPU: every host of the architecture finds
+    it."""
+    monkeypatch.setenv("DILOCO_KERNEL_CACHE", str(tmp_path))
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    native_flags = [*native._FLAGS, "-march=native"]
+    built = native._compiled("kernels", native._SRC, cc, native_flags, "test")
+    assert built is not None and built.parent == tmp_path
+    assert native._compiled("kernels", native._SRC, cc, native_flags, "test", build=False) == built
+    here = native._cpu_key
+    monkeypatch.setattr(native, "_cpu_key", lambda: "model name\t: another CPU\nflags\t\t: fpu")
+    assert native._compiled("kernels", native._SRC, cc, native_flags, "test", build=False) is None
+    portable = [*native._FLAGS, "-march=x86-64"] if native.platform.machine() == "x86_64" \
+        else [*native._FLAGS, "-march=armv8-a"]
+    shared = native._compiled("kernels", native._SRC, cc, portable, "test")  # on "another CPU"
+    assert shared is not None and shared != built
+    monkeypatch.setattr(native, "_cpu_key", here)
+    assert native._compiled("kernels", native._SRC, cc, portable, "test", build=False) == shared

@@ -1,5 +1,5 @@
 """`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|cluster|
-security|step|step-loop|step-flags|step-matrix|s1|s2|poison|lab`:
+security|step|step-loop|step-flags|step-matrix|accelerator|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import islands, lab, pipeline, quality, resilience, step, step_matrix
+from ops.bench import accelerator, islands, lab, pipeline, quality, resilience, step, step_matrix
 from ops.chaos import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
@@ -124,6 +124,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         + " (default: all; fused-avx2 on x86-64 only)")
     b.add_argument("--out", default="runs/bench-step-matrix")
     b.set_defaults(func=_step_matrix)
+    b = bsub.add_parser("accelerator", help="the prepared check for a GPU/TPU host: matmul "
+                        "and 100M-parameter step FLOP/s in bf16 and fp32, a 2-learner run's "
+                        "overlap and blocked time")
+    b.add_argument("--tiny", action="store_true",
+                   help="a tiny model (the CPU smoke run the test suite makes)")
+    b.add_argument("--steps", type=int, default=0, help="timed steps per dtype (0: default)")
+    b.add_argument("--out", default="runs/bench-accelerator")
+    b.set_defaults(func=_accelerator)
     b = bsub.add_parser("poison", help="the poison guard on real processes: one learner of "
                         "four poisoned, guard on vs off, beside the clean run")
     b.add_argument("--steps", type=int, default=1000, help="inner steps per learner")
@@ -204,6 +212,16 @@ def _step_matrix(args: argparse.Namespace) -> int:
     result["machine"] = pipeline.machine()
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(step_matrix.format_table(result))
+    return 0
+
+
+def _accelerator(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = accelerator.bench_accelerator(args.tiny, args.steps or None, progress=_progress)
+    result["machine"] = pipeline.machine()
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
     return 0
 
 

@@ -12,7 +12,8 @@ In one process, on JAX's default device:
 
 Then two real `diloco run`s of two learners sharing that device (each learner its own
 process: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so that both fit), with a real syncer and an
-embedded redis-server: one syncing (H = 8; 8 fragments), one that never syncs during the
+embedded redis-server: one syncing (H = 32, 8 fragments: a push every 4 steps), one that never
+syncs during the
 run (H past the run's end: the same processes, no fragment ever due). Overlap = each
 learner's steady steps/s syncing ÷ not syncing; the training thread's time in the learner's
 own sync work (`LearnerFinal.sync_s`: pushes, applying merged values, heartbeats) per push
@@ -38,8 +39,9 @@ from ops.bench.step import step_flops
 # fragments: the big model's 101.5M values in 8 fragments of ~12.7M, so that each fragment's
 # syncer state (Θ, momentum and kept versions) stays well under Redis's 512 MB value limit
 BIG = {"d_model": 1024, "n_layers": 8, "n_heads": 16, "seq_len": 512, "batch": 8,
-       "fragments": 8}
-TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32, "batch": 4, "fragments": 2}
+       "fragments": 8, "sync_every": 32}
+TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32, "batch": 4, "fragments": 2,
+        "sync_every": 8}
 
 
 def _device() -> dict[str, Any]:
@@ -168,7 +170,7 @@ def bench_accelerator(tiny: bool = False, steps: int | None = None,
         out["step"][dtype] = s
         progress(f"step {dtype}: {s['params'] / 1e6:.1f}M parameters, {s['step_s'] * 1e3:.1f} "
                  f"ms, {s['flops'] / 1e12:.2f} TFLOP/s, {s['efficiency']:.1%} of the matmul rate")
-    on = decoupled(size, run_steps, size["fragments"])
+    on = decoupled(size, run_steps, size["sync_every"])
     off = decoupled(size, run_steps, None)
     ratios = {k: on["learners"][k]["steps_per_s"] / off["learners"][k]["steps_per_s"]
               for k in on["learners"] if off["learners"].get(k, {}).get("steps_per_s")}

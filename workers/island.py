@@ -264,9 +264,11 @@ class Island:
             if age is not None:
                 marks = ", ".join(f"{k.removesuffix('_at_s').replace('_', ' ')} {v:.1f} s"
                                   for k, v in self.startup.items()
-                                  if k != "first_step_at_s" and v is not None)
+                                  if k not in ("first_step_at_s", "took_over_at_s")
+                                  and v is not None)
                 log.info("%s: first step %.1f s after the process started (%s%s)", self.id, age,
-                         "" if took is None else "a warm spare; ", marks)
+                         "" if took is None else f"a warm spare, took over at {took:.1f} s; ",
+                         marks)
         self.tokens_done += n_tok
         self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
         flat = self._flat(params)

@@ -179,6 +179,12 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     assert chaos["lost"] == 0, chaos
     goodput = cli("goodput", "--json")
     assert goodput
+    # the security tools (their outputs only: applying ACLs needs a hardened Redis)
+    _run([diloco, "keys", "--out", "keys", "--learners", "L0,L1"], work, env)
+    assert (work / "keys" / "syncer.key").is_file()
+    _run([diloco, "acl", "--run", "hand", "--url", "redis://127.0.0.1:6379/0", "--out", "acl"],
+         work, env)
+    assert (work / "acl" / "learner.url").is_file()
     done = _run([diloco, "bench", "step-matrix", "--reps", "1", "--settings", "alone",
                  "--variants", "shipped", "--bare-steps", "2", "--out", "bench"], work, env)
     assert "| alone |" in done.stdout

@@ -427,7 +427,9 @@ def bench_overlap_library(quick: bool = False) -> dict:
     and a hand-written loop around `workers.island.Island`) instead of `diloco learner`, with
     the same run settings (demo H and P, one learner, 1500 steps)."""
     if not (EXAMPLES / "own_loop.py").exists():
-        raise FileNotFoundError(f"{EXAMPLES}/own_loop.py: the example is not in this checkout")
+        raise FileNotFoundError(f"{EXAMPLES}/own_loop.py not found: bench overlap-library "
+                                "runs the examples/ folder of a source checkout (the examples "
+                                "are not installed with the package)")
     if str(EXAMPLES) not in sys.path:  # this process stores the spec: it imports the task
         sys.path.insert(0, str(EXAMPLES))
     steps = 300 if quick else 1500

@@ -190,7 +190,10 @@ def _quality(args: argparse.Namespace) -> int:
 def _pipeline(fn, args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = fn(quick=args.quick)
+    try:
+        result = fn(quick=args.quick)
+    except FileNotFoundError as e:  # what the benchmark needs is not on this host
+        return fail(str(e))
     result["machine"] = pipeline.machine()
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

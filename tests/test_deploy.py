@@ -368,17 +368,25 @@ def test_the_dockerfile_installs_the_package_and_runs_diloco():
     run time) and runs the console script that test runs."""
     import tomllib
 
-    text = (DEPLOY / "Dockerfile").read_text()
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    copied = [src for line in re.findall(r"^COPY (.+)$", text, re.M)
-              for src in line.split()[:-1]]
     packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
-    for pkg in [p.rstrip("*") for p in packages] + ["pyproject.toml", "README.md"]:
-        assert pkg in copied, pkg
+    data = {f.split("/")[0] for files in project["tool"]["setuptools"]["data-files"].values()
+            for f in files}
     (script,) = project["project"]["scripts"]
     assert script == "diloco"  # the script tests/test_installed.py runs every command with
-    assert f'ENTRYPOINT ["{script}"]' in text and "pip install --no-cache-dir ." in text
-    assert "pip install -e" not in text and "PYTHONPATH" not in text
+    for name, install in (("Dockerfile", "pip install --no-cache-dir ."),
+                          ("Dockerfile.gpu", "pip install --no-cache-dir '.[cuda12]'")):
+        text = (DEPLOY / name).read_text()
+        copied = [src for line in re.findall(r"^COPY (.+)$", text, re.M)
+                  for src in line.split()[:-1]]
+        for pkg in [p.rstrip("*") for p in packages] + sorted(data) + ["pyproject.toml",
+                                                                        "README.md"]:
+            assert pkg in copied, (name, pkg)
+        assert f'ENTRYPOINT ["{script}"]' in text and install in text, name
+        assert "pip install -e" not in text and "PYTHONPATH" not in text, name
+        assert re.search(r"^USER \d+", text, re.M), f"{name} must not run as root"
+    assert "cuda12" in project["project"]["optional-dependencies"]
+    text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^USER \d+", text, re.M), "the image must not run as root"
     # every subcommand the manifest and the batch script call exists in the CLI
     docs = _docs()

@@ -96,6 +96,11 @@ def test_every_project_module_resolves_to_the_installed_package(installed):
     # what the commands read at run time came with the package
     for name in ("workers/kernels.c", "workers/fused.cc", "ops/redis.conf"):
         assert (site / name).is_file(), name
+    # the examples (`diloco bench overlap-library` runs them) where that command finds them
+    code = "from ops.bench.pipeline import EXAMPLES; print(EXAMPLES)"
+    examples = Path(_run([str(bin_dir / "python"), "-c", code], work, env).stdout.strip())
+    assert examples == bin_dir.parent / "share" / "decoupled-diloco" / "examples"
+    assert (examples / "own_loop.py").is_file() and (examples / "user_model.py").is_file()
 
 
 @pytest.mark.timeout(1200)  # the package built and installed, then every command

@@ -409,7 +409,16 @@ def bench_latency(quick: bool = False) -> dict:
 
 # -- overlap efficiency (real learner processes) ----------------------------------------------
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+def _examples() -> Path:
+    """The examples folder: a source checkout's, else the one installed with the package
+    (<prefix>/share/decoupled-diloco/examples)."""
+    checkout = Path(__file__).resolve().parents[2] / "examples"
+    if (checkout / "own_loop.py").exists():
+        return checkout
+    return Path(sys.prefix) / "share" / "decoupled-diloco" / "examples"
+
+
+EXAMPLES = _examples()
 
 
 def bench_overlap(quick: bool = False) -> dict:
@@ -428,8 +437,8 @@ def bench_overlap_library(quick: bool = False) -> dict:
     the same run settings (demo H and P, one learner, 1500 steps)."""
     if not (EXAMPLES / "own_loop.py").exists():
         raise FileNotFoundError(f"{EXAMPLES}/own_loop.py not found: bench overlap-library "
-                                "runs the examples/ folder of a source checkout (the examples "
-                                "are not installed with the package)")
+                                "runs the examples of a source checkout or of the installed "
+                                "package")
     if str(EXAMPLES) not in sys.path:  # this process stores the spec: it imports the task
         sys.path.insert(0, str(EXAMPLES))
     steps = 300 if quick else 1500

@@ -106,3 +106,18 @@ def test_one_line_and_exit_2(argv, says, capsys, tmp_path, down, not_redis, redi
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
     assert len(err) == 1 and err[0].startswith("diloco: error:") and says in err[0], err
+
+
+@pytest.mark.parametrize("command", ["status", "inspect"])
+def test_refused_credentials_say_so(command, capsys, redis_server):
+    """A wrong password (or a user that is off) is not "Redis did not answer"."""
+    import redis
+
+    redis.Redis(port=redis_server.port).acl_setuser("op", enabled=True, passwords=["+right"],
+                                                    commands=["+@all"], keys=["*"])
+    code = main([command, "--redis-url", f"redis://op:wrong@127.0.0.1:{redis_server.port}/0",
+                 "--run", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "Redis refused the credentials" in err[0] and "did not answer" not in err[0], err
+    assert "wrong" not in err[0]  # the password is never printed

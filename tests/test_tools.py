@@ -337,3 +337,18 @@ def test_inspect_unread_pending_and_dead_letters(finished, capsys):
                        "--fragment", "0", "--limit", "1")
     ids = [e["id"] for e in limited["fragments"][0]["entries"]]
     assert ids == [unread_id, dlq_id]
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def test_status_shows_finished_learners_as_done_with_their_last_step(finished, capsys):
+    rep = cli_json(capsys, "status", "--redis-url", finished.url, "--run", finished.run)
+    assert sorted(rep["learners"]) == ["L0", "L1"]
+    for rec in rep["learners"].values():
+        assert rec["finished"] and rec["step"] == finished.cfg.steps, rec
+    code, text, _ = cli(capsys, "status", "--redis-url", finished.url, "--run", finished.run)
+    assert code == 0
+    rows = [ln for ln in text.splitlines() if ln.strip().startswith(("L0", "L1"))]
+    assert len(rows) == 2 and all(" done " in ln and f"step {finished.cfg.steps} " in ln
+                                  for ln in rows), text

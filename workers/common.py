@@ -97,7 +97,7 @@ def require_security(url: str, *, curve: bool, signed: bool, insecure: bool,
     if missing:
         where = (f"the Redis at {redact(url)} is on another host" if not is_loopback(url)
                  else f"this syncer publishes on {bind}")
-        usage_error(f"{where}, and this process has no {', no '.join(missing)}; set them up "
+        usage_error(f"{where}, and this process is missing {'; '.join(missing)}; set them up "
                     f"(docs/SECURITY.md) or pass --insecure to run open on a network you "
                     f"control")
 

@@ -74,6 +74,9 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.Invali
 
 def fail_on(e: BaseException) -> int:
     """One-line error for an expected exception (Redis unreachable, bad input, missing run)."""
+    if isinstance(e, redis.exceptions.AuthenticationError):  # a ConnectionError: first
+        return fail(f"Redis refused the credentials (the user and password of the URL, or "
+                    f"the ACL user is off): {e}")
     if isinstance(e, redis.ResponseError):
         return fail(f"Redis refused: {e}")
     if isinstance(e, redis.exceptions.InvalidResponse):

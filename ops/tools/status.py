@@ -40,12 +40,18 @@ def collect(redis_url: str, run: str) -> dict:
     live = registry.live_learners(r, keys)
     members = registry.syncer_members(r, keys)
     learners = {}
+    finals = registry.learner_final_reports(r, keys)
     for name, hb in sorted(registry.learner_records(r, keys).items()):
-        learners[name] = {"live": name in live, "last_heartbeat_age_s": time.time() - hb.t,
+        learners[name] = {"live": name in live, "finished": name in finals,
+                          "last_heartbeat_age_s": time.time() - hb.t,
                           **{k: getattr(hb, k) for k in (
                               "step", "tokens", "tokens_per_s", "step_s", "versions",
                               "pushes_attempted", "pushes_acked", "bytes_sent",
                               "bytes_received")}}
+        fin = finals.get(name)
+        if fin is not None:  # the end-of-run report is newer than the last heartbeat
+            learners[name].update(step=fin.steps, tokens=fin.tokens,
+                                  versions=list(fin.versions))
     fragments = []
     for p in range(n_frags):
         fk = keys.fragment(p)
@@ -92,7 +98,7 @@ def render(rep: dict) -> str:
              f"{len(rep['live_learners'])}/{rep['learners_expected']} learners live, "
              f"{rep['rounds']} rounds"]
     for name, rec in rep["learners"].items():
-        state = "live" if rec["live"] else "DOWN"
+        state = "done" if rec.get("finished") else "live" if rec["live"] else "DOWN"
         lines.append(f"  {name:10s} {state:4s} step {rec.get('step')} "
                      f"{(rec.get('tokens_per_s') or 0):,.0f} tok/s versions {rec.get('versions')} "
                      f"lag {rec.get('version_lag')} "

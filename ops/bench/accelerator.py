@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ops.bench.step import step_flops
+from ops.bench.step import step_flops, timed_steps
 
 # fragments: the big model's 101.5M values in 8 fragments of ~12.7M, so that each fragment's
 # syncer state (Θ, momentum and kept versions) stays well under Redis's 512 MB value limit
@@ -111,15 +111,8 @@ def step_rate(size: dict[str, int], dtype: str, steps: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     batch = jnp.asarray(rng.integers(0, cfg.model.vocab_size,
                                      (size["batch"], size["seq_len"] + 1)), jnp.int32)
-    for _ in range(3):  # compilation, then the allocator settles
-        params, state, loss = step(params, state, batch)
-    jax.block_until_ready(params)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        params, state, loss = step(params, state, batch)
-        jax.block_until_ready(params)
-        times.append(time.perf_counter() - t)
+    # three untimed steps: the compilation, then the allocator settles
+    times, params, state, loss = timed_steps(step, params, state, batch, 3, steps)
     n = n_params(task)
     flops = step_flops(size["d_model"], size["n_layers"], size["seq_len"], n,
                        size["batch"] * size["seq_len"])

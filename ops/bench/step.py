@@ -63,6 +63,25 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def timed_steps(step, params, state, batch, warmup: int, steps: int):
+    """Run `step(params, state, batch)` `warmup` times untimed, then `steps` times timed (each
+    to completion); returns (the seconds of each timed step, params, state, the last step's
+    third result)."""
+    import jax
+
+    out = None
+    for _ in range(warmup):
+        params, state, out = step(params, state, batch)
+        jax.block_until_ready(params)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        params, state, out = step(params, state, batch)
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - t)
+    return times, params, state, out
+
+
 def _reference_forward(params, tokens, cfg):
     """The forward pass as shipped before this benchmark existed: the baseline."""
     import jax

@@ -60,10 +60,10 @@ def bare(steps: int) -> dict[str, Any]:
     from workers.heap import keep_freed_memory
 
     keep_freed_memory()
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from ops.bench.step import timed_steps
     from pipeline.config import RunConfig
     from pipeline.task import task_of
     from pipeline.train import make_step
@@ -79,16 +79,7 @@ def bare(steps: int) -> dict[str, Any]:
     opt = task.optimizer()
     params = task.init_params(cfg.seed)
     state = opt.init(params)
-    step = make_step(task, opt)
-    for _ in range(WARMUP):
-        params, state, _ = step(params, state, batch)
-        jax.block_until_ready(params)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        params, state, _ = step(params, state, batch)
-        jax.block_until_ready(params)
-        times.append(time.perf_counter() - t)
+    times = timed_steps(make_step(task, opt), params, state, batch, WARMUP, steps)[0]
     return {"backend": backend, "vector_bits": native._vector_bits,
             "threads": len(os.sched_getaffinity(0)), "step_s": statistics.median(times),
             "step_s_all": times}

@@ -51,8 +51,6 @@ def train(a: argparse.Namespace) -> int:
 
     from workers import native
 
-    native.install_fused()  # before the step is traced
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if a.gloo_interface:  # gloo's peers connect to this interface's address (by default,
         # to what the host name resolves to: in a network namespace, nothing reachable)
@@ -65,6 +63,9 @@ def train(a: argparse.Namespace) -> int:
     jax.distributed.initialize(coordinator_address=a.coordinator, num_processes=a.processes,
                                process_id=a.process_id,
                                initialization_timeout=int(a.init_timeout_s))
+    # after the distributed runtime is up (it asks which backend the step runs on, which
+    # starts JAX's backends: too early for jax.distributed), before the step is traced
+    native.install_fused()
     import jax.numpy as jnp
     import numpy as np
     import optax

@@ -263,8 +263,9 @@ def install_fused() -> str:
     (AVX-512); elsewhere XLA's operations are faster, and run, unless ``DILOCO_FUSED=fused``
     asks for the kernels anyway. ``DILOCO_FUSED=xla`` turns them all off,
     ``DILOCO_FUSED=xla:gelu,dense`` those named (of `pipeline.fused.KERNELS`: to compare, or
-    to rule one out). Call it before the first step is traced; steps traced before keep what
-    they traced."""
+    to rule one out). Call it before the first step is traced (steps traced before keep
+    what they traced) and after `jax.distributed.initialize` where there is one: it asks
+    JAX for the default backend, which starts JAX's backends."""
     global _registered
     value = os.environ.get(FUSED_ENV, "").strip().lower()
     if value == "xla":

@@ -125,7 +125,7 @@ def decoupled(size: dict[str, int], steps: int, sync_every: int | None) -> dict[
     """A real `diloco run` of two learners on this host's default device (`sync_every` None:
     past the run's end, so nothing syncs while it trains): per learner, steady steps/s and the
     training thread's time in its own sync work."""
-    from ops.cluster.launcher import run_distributed
+    from ops.cluster import run_distributed
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # two processes, one GPU
     cfg = _run_config(size, learners=2, steps=steps,

@@ -88,7 +88,7 @@ def bare(steps: int) -> dict[str, Any]:
 def shared(steps: int, pace_s: float, pin: bool) -> dict[str, Any]:
     """A real `diloco run` of `RunConfig()` with four learners, in a temporary folder: each
     learner's steady seconds per step."""
-    from ops.cluster.launcher import run_distributed
+    from ops.cluster import run_distributed
     from pipeline import config as cfgmod
 
     cfg = cfgmod.override(cfgmod.RunConfig(), learners=4, steps=steps)

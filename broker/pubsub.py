@@ -19,7 +19,10 @@ Keys are pyzmq's certificate files (`zmq.auth`): ``NAME.key`` (public) and
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +30,57 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from broker import codec
 from broker.errors import DecodeError
 
 log = logging.getLogger("diloco.pubsub")
+REFUSED_LOG_EVERY_S = 60.0  # a refused client key is logged at most this often
+
+
+def key_fingerprint(public_z85: bytes | str) -> str:
+    """A short, stable name of a CURVE public key (z85 text) for logs: the first 16 hex digits
+    of its SHA-256 (the key itself is public, but 40 characters of z85 are hard to compare)."""
+    raw = public_z85.encode() if isinstance(public_z85, str) else bytes(public_z85)
+    return "sha256:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler, with every refused CURVE client key logged at warning (its
+    fingerprint and the reason; each key at most once every `REFUSED_LOG_EVERY_S`, with the
+    count of refusals since): a learner started with keys not on the allowlist is visible on
+    the syncer's side, not only as silence on its own."""
+
+    def __init__(self, ctx: zmq.Context):
+        super().__init__(ctx, log=logging.getLogger("diloco.zap"))
+        self._refused: dict[bytes, list[float]] = {}  # key -> [last logged at, refusals since]
+
+    def _authenticate_curve(self, domain, client_key):
+        result = super()._authenticate_curve(domain, client_key)
+        if inspect.isawaitable(result):  # pyzmq 25+: a coroutine
+            async def checked():
+                allowed, reason = await result
+                self._note(allowed, reason, client_key)
+                return allowed, reason
+            return checked()
+        self._note(*result, client_key)
+        return result
+
+    def _note(self, allowed: bool, reason: bytes, client_key: bytes) -> None:
+        if allowed:
+            return
+        now = time.monotonic()
+        last, count = self._refused.get(client_key, [-REFUSED_LOG_EVERY_S, 0])
+        count += 1
+        if now - last >= REFUSED_LOG_EVERY_S:
+            log.warning("refused a ZeroMQ client with CURVE key %s (%s; %d refusal(s) since "
+                        "the last report): not in the allowlist of learner keys",
+                        key_fingerprint(z85.encode(client_key)),
+                        reason.decode(errors="replace"), count)
+            self._refused[client_key] = [now, 0]
+        else:
+            self._refused[client_key] = [last, count]
 
 
 def _secret_pair(path: str | Path) -> tuple[bytes, bytes]:
@@ -77,7 +126,7 @@ class Publisher:
 
     def __init__(self, ctx: zmq.Context, bind: str, advertise_host: str | None = None,
                  hwm: int = 16, curve: CurveServer | None = None):
-        self.auth: ThreadAuthenticator | None = None
+        self.auth: _Authenticator | None = None
         self.sock = ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -87,7 +136,7 @@ class Publisher:
                 raise ValueError(f"the CURVE allowlist {curve.allow_dir} holds no learner key")
             # the ZAP handler must run before a client can connect (one per zmq.Context: one
             # CURVE publisher per context)
-            self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("diloco.zap"))
+            self.auth = _Authenticator(ctx)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=curve.allow_dir)
             self.sock.curve_server = True

@@ -408,7 +408,8 @@ def _rogue_syncers(syncer_url: str, reader_url: str, tmp_path: Path, kdir: Path,
 # -- ZeroMQ CURVE ---------------------------------------------------------------------------------
 
 
-def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tmp_path):
+def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="diloco.pubsub")
     import numpy as np
     import zmq
 
@@ -461,6 +462,19 @@ def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tm
         rogue_ctx.term()
     assert got["allowed"] > 0, got
     assert got["intruder"] == got["plaintext"] == got["pinned"] == 0, got
+    # the syncer's side says so: the intruder's key refused, by its fingerprint, once (it
+    # retried for seconds: rate-limited), and no allowed learner's key
+    import zmq.auth
+
+    from broker.pubsub import key_fingerprint
+
+    refused = [r.getMessage() for r in caplog.records
+               if r.name == "diloco.pubsub" and "refused a ZeroMQ client" in r.getMessage()]
+    intruder_key = zmq.auth.load_certificate(str(rogue_keys / "learners" / "X.key"))[0]
+    assert len(refused) == 1 and key_fingerprint(intruder_key) in refused[0], refused
+    for name in ("L0", "L1"):
+        allowed_key = zmq.auth.load_certificate(str(keys / "learners" / f"{name}.key"))[0]
+        assert key_fingerprint(allowed_key) not in refused[0]
 
 
 def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_path):

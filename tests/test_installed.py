@@ -94,7 +94,9 @@ def test_every_project_module_resolves_to_the_installed_package(installed):
     outside = {k: v for k, v in files.items() if not Path(v).is_relative_to(site)}
     assert not outside, outside
     # what the commands read at run time came with the package
-    for name in ("workers/kernels.c", "workers/fused.cc", "ops/redis.conf"):
+    for name in ("workers/kernels.c", "workers/fused.cc", "ops/redis.conf", "ops/quickstart.sh",
+                 "ops/deploy/Dockerfile", "ops/deploy/Dockerfile.gpu",
+                 "ops/deploy/k8s/diloco.yaml", "ops/deploy/slurm/diloco-learners.sbatch"):
         assert (site / name).is_file(), name
     # the examples (`diloco bench overlap-library` runs them) where that command finds them
     code = "from ops.bench.pipeline import EXAMPLES; print(EXAMPLES)"

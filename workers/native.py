@@ -77,13 +77,15 @@ def _host_runs(march: str) -> bool:
     by its CPU flags for the x86-64 levels, assumed for other names (the operator's word)."""
     name = march.removeprefix("-march=")
     need = _LEVEL_FLAGS.get(name)
-    if need is None:
-        return True
-    flags = set()
+    return need is None or need <= _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (x86: /proc/cpuinfo's ``flags``; empty where none are known)."""
     for line in _cpu_key().splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    return need <= flags
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def _march() -> str:
@@ -292,39 +294,37 @@ def _expected_vector_bits() -> int | None:
         return {"x86-64-v4": 512, "x86-64-v3": 256, "x86-64-v2": 128, "x86-64": 128}.get(name)
     if platform.machine() not in ("x86_64", "AMD64"):
         return 128
-    flags: set[str] = set()
-    for line in _cpu_key().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
+    flags = _cpu_flags()
     return 512 if "avx512f" in flags else 256 if "avx" in flags else 128
+
+
+def _say_narrow(bits: int, built: bool) -> None:
+    """Log once per process that the kernels' vectors are too narrow and XLA's operations run."""
+    global _said_narrow
+    if not _said_narrow:
+        _said_narrow = True
+        log.info("the fused kernels %s for %d-bit vectors (%s), where they are slower than XLA's "
+                 "operations: the model's operations run as XLA's%s (%s=fused uses the kernels "
+                 "anyway)", "are built" if built else "would be built", bits, _march(),
+                 "" if built else ", nothing built", FUSED_ENV)
 
 
 def _known_narrow() -> bool:
     """Whether the kernels would be built for vectors too narrow for them (logged once)."""
-    global _said_narrow
     bits = _expected_vector_bits()
     if bits is None or bits >= FUSED_MIN_VECTOR_BITS:
         return False
-    if not _said_narrow:
-        _said_narrow = True
-        log.info("the fused kernels would be built for %d-bit vectors (%s), where they are "
-                 "slower than XLA's operations: the model's operations run as XLA's, nothing "
-                 "built (%s=fused uses the kernels anyway)", bits, _march(), FUSED_ENV)
+    _say_narrow(bits, built=False)
     return True
 
 
 def _fused_choice() -> str:
     """"fused" where the registered kernels should run, "xla" (logged once) where the build's
     vectors are too narrow for them and ``DILOCO_FUSED=fused`` does not insist."""
-    global _said_narrow
     value = os.environ.get(FUSED_ENV, "").strip().lower()
     if _vector_bits >= FUSED_MIN_VECTOR_BITS or value == "fused":
         return "fused"
-    if not _said_narrow:
-        _said_narrow = True
-        log.info("the fused kernels are built for %d-bit vectors (%s), where they are slower "
-                 "than XLA's operations: the model's operations run as XLA's (%s=fused uses "
-                 "the kernels anyway)", _vector_bits, _march(), FUSED_ENV)
+    _say_narrow(_vector_bits, built=True)
     return "xla"
 
 

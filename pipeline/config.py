@@ -114,7 +114,9 @@ class SyncConfig:
     grace_max_s: float = field(default=30.0, metadata=_rng(0.0, 86_400.0))
     max_staleness: int = field(default=4, metadata=_rng(0, 1_000_000))
     codec_up: str = field(default="int4", metadata=_rng(choices=CODECS))
-    codec_down: str = field(default="bf16", metadata=_rng(choices=CODECS))
+    # int4 with down_delta (below) since 2026-12-06: BENCHMARKS.md §1.1 and §9 measure the
+    # quality the same as bf16 at 3.5× fewer bytes down. Stored runs always carry this field.
+    codec_down: str = field(default="int4", metadata=_rng(choices=CODECS))
     quant_block: int = field(default=64, metadata=_rng(2, 1 << 20))
     merge: str = field(default="rda", metadata=_rng(choices=MERGES))
     # Block at push + tau until the merged value arrives (sync-diloco always blocks; this flag
@@ -148,8 +150,9 @@ class SyncConfig:
     # codec_down(Θ(v) − R(v−1)) against the exact reference R(v−1) every learner holds, and
     # R(v) = R(v−1) + that delta decoded — so the quantisation error of one publish is carried
     # into the next (error feedback) and every learner holds R(v) bit for bit (the header
-    # carries its SHA-256). Snapshots hold R(v) in fp32 for rejoining learners.
-    down_delta: bool = field(default=False, metadata={"added": True})
+    # carries its SHA-256). Snapshots hold R(v) in fp32 for rejoining learners. On by default
+    # since 2026-12-06; runs recorded before the field existed ran without it ("before").
+    down_delta: bool = field(default=True, metadata={"added": True, "before": False})
     # Up-link error feedback (pipeline/learner.py `LearnerCore._push`): each push sends
     # codec_up(δ + e) and keeps e ← (δ + e) − decoded, the part of its contributions the
     # rounds have not seen yet, so the quantisation error of one push goes out with the next

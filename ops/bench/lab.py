@@ -15,8 +15,9 @@ runs already in ``results.json`` with the same configuration, so it can span sit
   this step time × the budget's steps — stated as such in the result;
 * ``decoupled-shaped``: decoupled on the shaped links, `decoupled_steps` per learner; the
   global model evaluated every 20 s; when it reaches data parallel's final loss;
-* ``decoupled-shaped-int4delta``, ``decoupled-shaped-h200``: the same with the int4 delta
-  down link (``sync.down_delta``), or with H = 200 — the frontier;
+* ``decoupled-shaped-bf16``, ``decoupled-shaped-h200``: the same with a bf16 down link sent
+  whole (``sync.down_delta = false``: the default before 2026-12-06), or with H = 200 — the
+  frontier;
 * ``decoupled-unshaped``: decoupled on unshaped links — its learners' step rate, the
   baseline of "keeps ≥ 0.95 of its step rate";
 * ``hetero-<mode>``: one site with a third of the others' CPU, each mode on the shaped links
@@ -44,7 +45,7 @@ from pipeline.config import RunConfig
 
 Progress = Callable[[str], None]
 # the frontier: decoupled on the same shaped links with another down link, or another H
-VARIANTS = {"decoupled-shaped-int4delta": {"sync.codec_down": "int4", "sync.down_delta": True},
+VARIANTS = {"decoupled-shaped-bf16": {"sync.codec_down": "bf16", "sync.down_delta": False},
             "decoupled-shaped-h200": {"sync.sync_every": 200}}
 KEEP = ("mode", "sites", "cpu_quotas_cores", "steps", "step_s", "compute_s_mean",
         "allreduce_s_mean", "allreduce_bytes", "params", "tokens", "wall_s", "final_eval_loss",
@@ -158,7 +159,7 @@ def bench_lab(out: Path, *, link_mbps: float = 1.6, rtt_ms: float = 50.0,
            "link_mbps": link_mbps, "rtt_ms": rtt_ms, "summary": summary}
     (out / "summary.json").write_text(json.dumps(doc, indent=1))
     shown = {k: v for k, v in (("ddp (shaped)", ddp_s),
-                               *((f"{n} (bf16 down)" if n == "decoupled-shaped" else n, v)
+                               *((f"{n} (int4Δ down)" if n == "decoupled-shaped" else n, v)
                                  for n, v in variants.items()),
                                ("partition: site 3 cut off at 60 s for 30 s", part)) if v}
     if shown:
@@ -295,7 +296,7 @@ def _plot_loss(path: Path, summary: dict, ddp_u, variants: dict, het) -> None:
         if rep:
             ax.plot([h["wall_s"] for h in rep["history"]],
                     [h["eval_loss"] for h in rep["history"]], marker="o", markersize=2.5,
-                    label=name.replace("-shaped", "").replace("-int4delta", ", int4Δ down")
+                    label=name.replace("-shaped", "").replace("-bf16", ", bf16 down")
                     .replace("-h200", ", H = 200"))
     ax.set_xscale("log")
     ax.set_xlabel("wall time (s, log)")

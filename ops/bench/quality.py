@@ -61,7 +61,7 @@ def default_model_config() -> RunConfig:
 
 # down-link codecs of the frontier: name → overrides ("Δ": deltas with error feedback)
 DOWN_LINKS = {
-    "bf16": {},
+    "bf16": {"sync.codec_down": "bf16", "sync.down_delta": False},
     "int8Δ": {"sync.codec_down": "int8", "sync.down_delta": True},
     "int4Δ": {"sync.codec_down": "int4", "sync.down_delta": True},
 }
@@ -93,8 +93,9 @@ def variants(base: RunConfig) -> dict[str, RunConfig]:
         "ddp": o(base, mode="ddp"),
         "sync-diloco": o(base, mode="sync-diloco", **{"sync.codec_up": "fp32",
                                                       "sync.codec_down": "fp32"}),
-        "decoupled int4/bf16": o(base, mode="decoupled"),
-        "decoupled bf16/bf16": o(base, mode="decoupled", **{"sync.codec_up": "bf16"}),
+        "decoupled int4/bf16": o(base, mode="decoupled", **DOWN_LINKS["bf16"]),
+        "decoupled bf16/bf16": o(base, mode="decoupled", **{"sync.codec_up": "bf16",
+                                                            **DOWN_LINKS["bf16"]}),
         # the delta down link: int4 deltas against the exact reference (error feedback)
         "decoupled int4/int4Δ": o(base, mode="decoupled", **DOWN_LINKS["int4Δ"]),
         "decoupled plain mean": o(base, mode="decoupled", **{"sync.merge": "mean"}),

@@ -60,6 +60,8 @@ from pathlib import Path
 
 DDP = "ddp"
 CAND = "frontier H=50 int4/int4Δ"
+# the default before 2026-12-06 (bf16 down link sent whole); today's is the int4 delta down
+# link ("decoupled int4/int4Δ"), measured at the tables' `sync.apply` as H100
 SHIPPED = "decoupled int4/bf16"
 H100 = "frontier H=100 int4/int4Δ"
 # every run at the quality tables' `sync.apply` (ops.bench.quality.QUALITY_APPLY) but the

@@ -26,6 +26,9 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 from ops.cluster.redis_server import RedisServer  # noqa: E402
+# the tiers: marks assigned from what each test reaches, and checked while it runs
+from tiers import (_tier_guard, pytest_collection_modifyitems, pytest_configure,  # noqa: E402,F401
+                   pytest_sessionfinish)
 
 
 @pytest.fixture
@@ -43,13 +46,18 @@ def redis_url(redis_server):
     return redis_server.url
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _kernels_built():
-    """The compiled kernels in the cache before any test starts processes that would each
-    build them at once (what `ops/quickstart.sh` does after installing)."""
-    from workers import native
+_KERNELS: dict[str, bool] = {}
 
-    native.build()
+
+@pytest.fixture(autouse=True)
+def _kernels_built(request):
+    """The compiled kernels in the cache, once, before the first test that starts processes
+    or builds them (the processes would each build them at once otherwise: what
+    `ops/quickstart.sh` does after installing). Tests of the fast tier never run a compiler."""
+    if not _KERNELS and request.node.get_closest_marker("process") is not None:
+        from workers import native
+
+        _KERNELS.update(native.build())
 
 
 def _runtime(compiler: str | None, name: str) -> str | None:

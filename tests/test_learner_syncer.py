@@ -313,7 +313,7 @@ def test_push_all():
 
 # -- end to end: two learners, one syncer per fragment, fp32 codecs ------------------------------
 
-E2E_SYNC = dataclasses.replace(CFG, codec_down="fp32", quorum=2, merge="rda")
+E2E_SYNC = dataclasses.replace(CFG, codec_down="fp32", down_delta=False, quorum=2, merge="rda")
 GA = {"wte": np.array([0.25, 0.0], F32), FC: np.array([1.5, 2.0, 0.0], F32)}
 GB = {"wte": np.array([0.0, 0.5], F32), FC: np.array([0.0, 0.0, 2.5], F32)}
 TOK = {"a": 8, "b": 16}

@@ -32,6 +32,7 @@ import numpy as np
 
 from broker.errors import DecodeError
 from pipeline.contribution import Contribution, Push
+from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
 from pipeline.quant import CODECS, QTensor, data_nbytes, num_blocks
 
 MAX_PAYLOAD_BYTES = 256 * 2**20
@@ -40,14 +41,14 @@ WIRE_VERSION = 1
 # dtype allowlist of the payload of each codec (little-endian on the wire).
 _WIRE_DTYPE = {"fp32": "<f4", "bf16": "<u2", "int8": "|i1", "int4": "|u1"}
 _BLOCKED = ("int8", "int4")
-_MAX_NDIM = 32
+_MAX_NDIM = MAX_NDIM
 _MAX_ELEMENTS = 2**40
 _MAX_BLOCK = 2**31
-_MAX_NAME = 1024
-_MAX_TENSORS = 100_000  # pipeline.task.MAX_TENSORS: no model has more, no fragment either
+_MAX_NAME = MAX_NAME
+_MAX_TENSORS = MAX_TENSORS  # no model has more, no fragment either
 _MAX_RUN = 64  # broker.keys: a run name is 1-64 characters
 _MAX_HEADER_BYTES = 16 * 2**20
-_MAX_FRAGMENT = 9999  # topic() is fixed width: four decimal digits
+_MAX_FRAGMENT = MAX_FRAGMENT  # topic() is fixed width: four decimal digits
 _INT_RE = re.compile(rb"[0-9]{1,19}")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")

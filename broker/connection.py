@@ -22,6 +22,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
+from pipeline.capacity import REDIS_BULK_DEFAULT, Limits
+
 try:  # redis-py internals (stable across 5.x–8.x); without them, its default packer
     from redis._parsers import Encoder
     from redis.connection import PythonRespSerializer
@@ -120,6 +122,27 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
     # a failover re-reads it (retrying with backoff while the slots move)
     return RedisCluster.from_url(
         url, retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries), **common)
+
+
+def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int) -> Limits:
+    """The limits a single value meets on its way through this Redis: the server's
+    ``proto-max-bulk-len`` where this user may read it (``CONFIG GET``), else Redis's default,
+    said so in the refusal (`pipeline.capacity.check`).
+
+    Raises:
+        redis.ConnectionError, redis.TimeoutError: the server is not reachable.
+    """
+    try:
+        got = r.config_get("proto-max-bulk-len")
+        if isinstance(r, RedisCluster):  # {node: {name: value}} or merged, by version
+            got = next(iter(got.values())) if got and isinstance(
+                next(iter(got.values())), dict) else got
+        value = int(got["proto-max-bulk-len"])
+        return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len")
+    except (redis.exceptions.NoPermissionError, redis.ResponseError, KeyError, TypeError,
+            ValueError, StopIteration):
+        return Limits(max_payload_bytes, REDIS_BULK_DEFAULT,
+                      "Redis's default proto-max-bulk-len (CONFIG GET not allowed here)")
 
 
 def is_cluster(r: redis.Redis) -> bool:

@@ -29,13 +29,14 @@ from broker.codec import (
     unpack_checked,
 )
 from broker.errors import DecodeError
+from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
 
 _DTYPES = {"<f4", "<f8", "<i4", "<i8"}
 _F32 = "<f4"
-_MAX_NDIM = 8  # as a task's parameter spec (pipeline.task)
-_MAX_TENSORS = 100_000  # pipeline.task.MAX_TENSORS
-_MAX_NAME = 1024
-_MAX_FRAGMENT = 9999
+_MAX_NDIM = MAX_NDIM
+_MAX_TENSORS = MAX_TENSORS
+_MAX_NAME = MAX_NAME
+_MAX_FRAGMENT = MAX_FRAGMENT
 _MAX_INT = 2**63 - 1
 _MAX_HISTORY = 4096
 _MAX_SEEN = 2**20

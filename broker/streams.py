@@ -62,6 +62,17 @@ class LeaseLost(BrokerError):
     """The fragment's lease is held by another syncer: this one must stop committing."""
 
 
+def _fenced(e: redis.WatchError, p: int, what: str) -> Exception:
+    """What a failed fenced write means: another syncer changed the lease (`LeaseLost`) —
+    unless redis-py raised the WatchError because the connection died while watching (a
+    value over Redis's limits, a restart): that is an outage, retried as one, not a lost lease.
+    """
+    if "occurred while watching" in str(e):
+        return redis.ConnectionError(f"fragment {p}: the connection to Redis dropped during "
+                                     f"{what} ({e})")
+    return LeaseLost(f"fragment {p}: lease changed during {what}")
+
+
 @dataclass
 class Entry:
     fragment: int
@@ -340,7 +351,7 @@ class FragmentStreams:
                 pipe.xack(fk.frags, GROUP, *ack_ids)
             result = pipe.execute(raise_on_error=False)
         except redis.WatchError as e:
-            raise LeaseLost(f"fragment {p}: lease changed during the commit") from e
+            raise _fenced(e, p, "the commit") from e
         finally:
             pipe.reset()
         for res in result:
@@ -372,7 +383,7 @@ class FragmentStreams:
                 pipe.delete(*drop)
             pipe.execute()
         except redis.WatchError as e:
-            raise LeaseLost(f"fragment {p}: lease changed during the checkpoint") from e
+            raise _fenced(e, p, "the checkpoint") from e
         finally:
             pipe.reset()
 
@@ -392,7 +403,7 @@ class FragmentStreams:
             pipe.execute()
             return True
         except redis.WatchError as e:
-            raise LeaseLost(f"fragment {p}: lease changed during initialisation") from e
+            raise _fenced(e, p, "initialisation") from e
         finally:
             pipe.reset()
 

@@ -28,6 +28,7 @@ import numpy as np
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
+from pipeline.downlink import encode_down, full_value
 from pipeline.guard import NormGuard, token_bound
 from pipeline.merge import (
     NonFiniteContribution,
@@ -115,34 +116,6 @@ class _Round:
     norms: list[tuple[float, int, float | None]] = field(default_factory=list)  # ‖δ‖, steps, bound
     clipped: list[str] = field(default_factory=list)  # entry ids scaled down by the guard
     keys: set[tuple[str, int, int]] = field(default_factory=set)  # dedupe keys first seen here
-
-
-def encode_down(theta: Mapping[str, np.ndarray], codec: str, block: int,
-                ref: Mapping[str, np.ndarray] | None = None
-                ) -> tuple[dict[str, quant.QTensor], dict[str, np.ndarray]]:
-    """Quantise a global value for the down link; also return what learners will decode.
-
-    With `ref` (the delta down link, `sync.down_delta`) the payload is codec(Θ − ref) and what
-    learners hold afterwards is ref + decode(payload), computed here exactly as they compute
-    it (fp32, elementwise): the error one publish leaves is part of the next one's delta."""
-    if ref is None:
-        sent = {k: quant.quantize(v, codec, block) for k, v in theta.items()}
-        return sent, {k: quant.dequantize(q) for k, q in sent.items()}
-    sent = {k: quant.quantize(np.subtract(v, ref[k], dtype=np.float32), codec, block)
-            for k, v in theta.items()}
-    return sent, apply_delta(ref, sent)
-
-
-def apply_delta(ref: Mapping[str, np.ndarray], delta: Mapping[str, quant.QTensor]
-                ) -> dict[str, np.ndarray]:
-    """R(v) = R(v−1) + decode(delta), the one way syncers and learners both compute it."""
-    return {k: np.add(np.asarray(ref[k], np.float32), quant.dequantize(q), dtype=np.float32)
-            for k, q in delta.items()}
-
-
-def full_value(values: Mapping[str, np.ndarray]) -> dict[str, quant.QTensor]:
-    """A decoded value as fp32 tensors: the delta down link's snapshots and key frames."""
-    return {k: quant.quantize(np.asarray(v, np.float32), "fp32") for k, v in values.items()}
 
 
 class FragmentSyncer:

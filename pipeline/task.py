@@ -49,6 +49,7 @@ import optax
 from pipeline import llama, model, tree
 from pipeline.config import TASKS, ConfigError, InnerConfig, RunConfig
 from pipeline.data import run_corpus
+from pipeline.limits import MAX_NDIM, MAX_TENSORS
 
 Params = dict[str, jax.Array]
 __all__ = ["TASKS", "ByteGPT", "Data", "Params", "SpecTask", "Task", "TaskNotNamed",
@@ -56,7 +57,6 @@ __all__ = ["TASKS", "ByteGPT", "Data", "Params", "SpecTask", "Task", "TaskNotNam
            "task_of"]
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./:-]{0,199}")  # a flat parameter name
-MAX_TENSORS = 100_000
 MAX_PARAMS = 2**40  # the wire's bound on one fragment's elements (broker.codec)
 
 
@@ -310,6 +310,9 @@ def check(task: Any) -> Task:
         raise ConfigError(f"task {task.name!r}: expected 1..{MAX_TENSORS} parameter tensors, "
                           f"got {len(shapes)}")
     for name, shape in shapes.items():
+        if len(shape) > MAX_NDIM:
+            raise ConfigError(f"task {task.name!r}: parameter {name!r} has {len(shape)} "
+                              f"dimensions (at most {MAX_NDIM}: reshape it)")
         if not NAME.fullmatch(name):
             raise ConfigError(f"task {task.name!r}: parameter name {name!r} is not "
                               f"[A-Za-z0-9_./:-], 1..200 characters")
@@ -383,7 +386,7 @@ def spec_task(cfg: RunConfig, spec: Any) -> SpecTask:
     out, total = [], 0
     for n, s, d in zip(names, shapes, dtypes, strict=True):
         if not (isinstance(n, str) and NAME.fullmatch(n) and d == "float32"
-                and isinstance(s, list) and len(s) <= 8
+                and isinstance(s, list) and len(s) <= MAX_NDIM
                 and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 2**31
                         for x in s)):
             raise ConfigError(f"task {cfg.task!r}: malformed parameter spec entry {n!r}")

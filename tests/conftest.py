@@ -25,10 +25,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
-from ops.cluster.redis_server import RedisServer  # noqa: E402
 # the tiers: marks assigned from what each test reaches, and checked while it runs
-from tiers import (_tier_guard, pytest_collection_modifyitems, pytest_configure,  # noqa: E402,F401
-                   pytest_sessionfinish)
+from tiers import _tier_guard, pytest_collection_modifyitems, pytest_configure, pytest_sessionfinish  # noqa: E402,F401
+
+from ops.cluster.redis_server import RedisServer  # noqa: E402
 
 
 @pytest.fixture

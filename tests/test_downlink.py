@@ -17,8 +17,9 @@ from broker.errors import DecodeError
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution
+from pipeline.downlink import apply_delta
 from pipeline.model import is_embedding
-from pipeline.syncer import FragmentSyncer, apply_delta
+from pipeline.syncer import FragmentSyncer
 from workers.common import open_run
 
 DELTA = SyncConfig(quorum=1, grace_max_s=0.0, codec_down="int4", down_delta=True, guard=False)

@@ -33,9 +33,9 @@ from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams
+from pipeline.downlink import apply_delta
 from pipeline.learner import UNKNOWN
 from pipeline.quant import tensors_hash
-from pipeline.syncer import apply_delta
 from workers.common import RunContext, decode_values
 
 log = logging.getLogger("diloco.learner")

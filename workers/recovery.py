@@ -34,8 +34,9 @@ from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import quant
 from pipeline.config import RunConfig
+from pipeline.downlink import full_value
 from pipeline.guard import fragment_prior
-from pipeline.syncer import FragmentSyncer, RoundResult, full_value
+from pipeline.syncer import FragmentSyncer, RoundResult
 
 _PAGE = 500
 

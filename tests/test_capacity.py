@@ -1,0 +1,155 @@
+"""A model too large for its settings is refused before anything is written, in one line that
+names the setting that fixes it (the ~300M byte GPT with the default 4 fragments used to break
+the syncer's first state write with a misleading `LeaseLost`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pipeline import capacity
+from pipeline import config as cfgmod
+from pipeline.task import task_of
+
+BIG = {"model.d_model": 2048, "model.n_layers": 6, "model.n_heads": 16}  # ~302M values
+BIG_ARGS = [a for k, v in BIG.items() for a in ("--set", f"{k}={v}")]
+
+
+def _check(over: dict, limits: capacity.Limits | None = None) -> str | None:
+    cfg = cfgmod.override(cfgmod.RunConfig(), **over)
+    task = task_of(cfg, local=cfg.task)
+    return capacity.check(cfg, task.param_shapes(), task.is_embedding,
+                          limits or capacity.Limits(cfg.broker.max_payload_bytes))
+
+
+def test_value_bytes_per_codec():
+    cfg = cfgmod.RunConfig()  # int4 up, int4 delta down: snapshots are the fp32 reference
+    v = capacity.value_bytes(cfg, 6400)
+    assert v == {"push": 3200 + 4 * 100, "publish": 4 * 6400, "snapshot": 4 * 6400,
+                 "state": 8 * 6400}
+    whole = cfgmod.override(cfg, **{"sync.codec_down": "bf16", "sync.down_delta": False})
+    assert capacity.value_bytes(whole, 6400)["snapshot"] == 2 * 6400
+
+
+def test_the_300m_model_is_refused_with_the_fragments_that_fit():
+    said = _check(BIG)
+    assert said is not None
+    assert said.startswith("fragment 1 holds 100,681,728 values: its published value is 384 MiB,"
+                           " over broker.max_payload_bytes (256 MiB)"), said
+    assert said.endswith("set sync.fragments to at least 6 (the largest fragment then holds "
+                         "62,914,560 values)"), said
+    assert _check({**BIG, "sync.fragments": 5}) is not None  # 6 is the fewest
+    assert _check({**BIG, "sync.fragments": 6}) is None
+    # or the payload bound raised instead: then Redis's value limit binds the state
+    said = _check({**BIG, "broker.max_payload_bytes": 2**31})
+    assert "checkpointed state" in said and "Redis's default proto-max-bulk-len" in said, said
+
+
+def test_a_tensor_too_large_for_any_fragment_names_the_limit_to_raise():
+    limits = capacity.Limits(2**20, 2**20, "Redis's proto-max-bulk-len")
+    said = _check({}, limits)  # the default model: its largest tensor has 65,536 values
+    assert said is not None and "set sync.fragments" not in said
+    assert "no number of fragments fits it" in said and "raise broker.max_payload_bytes" in said
+
+
+def test_the_default_and_demo_models_pass():
+    assert _check({}) is None
+    cfg = cfgmod.demo_config()
+    task = task_of(cfg, local=cfg.task)
+    assert capacity.check(cfg, task.param_shapes(), task.is_embedding,
+                          capacity.Limits(cfg.broker.max_payload_bytes)) is None
+
+
+def test_init_refuses_in_one_line_and_stores_nothing(capsys, redis_server):
+    from broker.connection import connect
+    from ops.cli import main
+
+    code = main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "set sync.fragments to at least 6" in err[0] and "Traceback" not in err[0], err
+    r = connect(redis_server.url)
+    assert not r.keys("ddl:{big*"), r.keys("*")
+    r.close()
+    assert main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS,
+                 "--set", "sync.fragments=6"]) == 0
+
+
+@pytest.fixture
+def small_bulk_redis(tmp_path):
+    """A redis-server that takes values of at most 1 MB (its smallest proto-max-bulk-len)."""
+    from ops.cluster.redis_server import RedisServer
+
+    server = RedisServer(workdir=tmp_path / "redis",
+                         extra=("--proto-max-bulk-len", "1mb")).start()
+    yield server
+    server.stop()
+
+
+def test_redis_limit_is_read_and_the_syncer_refuses_a_run_stored_without_the_check(
+        small_bulk_redis, caplog):
+    from broker import registry
+    from broker.connection import connect, value_limits
+    from broker.keys import RunKeys
+    from workers import syncer
+
+    url = small_bulk_redis.url
+    r = connect(url)
+    limits = value_limits(r, 256 * 2**20)
+    assert limits.redis_bulk_bytes == 2**20 and limits.redis_source == \
+        "Redis's proto-max-bulk-len"
+    cfg = cfgmod.RunConfig()  # the default model: a fragment's state is ~1.8 MB
+    said = _check({}, limits)
+    assert said is not None and "over Redis's proto-max-bulk-len (1 MiB)" in said, said
+    # stored as an earlier version's `init` would have: the syncer refuses before any write
+    registry.store_config(r, RunKeys("old"), cfgmod.dumps_toml(cfg), cfg.run_hash())
+    with caplog.at_level(logging.ERROR, logger="workers.syncer"):
+        code = syncer.main(syncer.parse_args(["--redis-url", url, "--run", "old",
+                                              "--insecure"]))
+    assert code == 2
+    assert any("cannot start" in rec.getMessage() and "proto-max-bulk-len" in rec.getMessage()
+               for rec in caplog.records), caplog.text
+    assert not [k for k in r.keys("ddl:{old*") if k.endswith(b":state")], r.keys("*")
+    r.close()
+
+
+def test_a_value_over_redis_limit_is_an_outage_not_a_lost_lease(small_bulk_redis):
+    """redis-py turns a connection that dies while a key is watched into a WatchError; the
+    fenced writes said "lease changed" for it. A value Redis refuses is not a lost lease."""
+    import redis
+
+    from broker.connection import connect
+    from broker.keys import RunKeys
+    from broker.streams import FragmentStreams, LeaseLost
+
+    r = connect(small_bulk_redis.url)
+    streams = FragmentStreams(r, RunKeys("big"))
+    assert streams.acquire_lease(0, "s0", 10_000)
+    with pytest.raises(redis.ConnectionError) as err:
+        streams.init_fragment(0, "s0", state=b"\0" * (2 << 20), snapshot=b"x")
+    assert not isinstance(err.value, LeaseLost)
+    assert streams.load_state(0)[0] is None  # nothing half-written
+    r.close()
+
+
+def test_a_tensor_with_more_dimensions_than_the_state_holds_is_refused_up_front():
+    """The wire took 32 dimensions, the syncer's state 8, a task anything: a 9-dimensional
+    tensor trained, crossed the wire, and left a state no successor could read. One bound
+    (`pipeline.limits`), checked where the task is loaded."""
+    import numpy as np
+
+    from broker import codec
+    from pipeline.config import ConfigError
+    from pipeline.limits import MAX_NDIM
+    from pipeline.task import TreeTask, check
+
+    shape = (1,) * (MAX_NDIM + 1)
+    task = TreeTask(run=cfgmod.RunConfig(), name="deep",
+                    init=lambda s: {"w": np.zeros(shape, np.float32)},
+                    loss=lambda t, b: (t["w"] ** 2).sum())
+    with pytest.raises(ConfigError, match="9 dimensions"):
+        check(task)
+    q = {"w": capacity.quant.quantize(np.zeros(shape[:MAX_NDIM], np.float32), "fp32")}
+    blob = codec.pack_snapshot("r", 1, 1, q)  # MAX_NDIM dimensions: the codec's limit too
+    assert codec.unpack_snapshot(blob)[1]["w"].shape == shape[:MAX_NDIM]

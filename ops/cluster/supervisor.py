@@ -23,9 +23,10 @@ import numpy as np
 import redis
 
 from broker import registry
-from broker.connection import URL_ENV, connect, has_secret
+from broker.connection import URL_ENV, connect, has_secret, value_limits
 from broker.errors import BrokerError
 from broker.keys import RunKeys
+from pipeline import capacity
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
@@ -61,9 +62,19 @@ def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list
 
 
 def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
-    """Store the run configuration; False if the same one was stored already."""
+    """Store the run configuration; False if the same one was stored already.
+
+    Raises:
+        ConfigError: a fragment's values would not fit their paths (`pipeline.capacity`):
+            the message names the setting that fixes it; nothing is stored.
+    """
+    task = task_of(cfg, local=cfg.task)
     r = connect(redis_url)
     try:
+        refused = capacity.check(cfg, task.param_shapes(), task.is_embedding,
+                                 value_limits(r, cfg.broker.max_payload_bytes))
+        if refused:
+            raise cfgmod.ConfigError(refused)
         return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash(),
                                      spec=stored_spec(cfg))
     finally:

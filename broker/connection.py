@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+from pathlib import Path
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
@@ -98,13 +99,48 @@ def quick(r: redis.Redis | RedisCluster, timeout_s: float = 1.0) -> redis.Redis 
         connection_class=pool.connection_class, **kw))
 
 
+# a URL's TLS files (redis-py's `rediss://` query parameters)
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def resolve_tls_files(url: str, base: Path | None = None) -> str:
+    """`url` with its relative TLS file paths made absolute: against `base` (the folder of the
+    URL file it came from) where the file is there, else against the working folder — so a
+    host's URL file and its TLS files travel together, and a role started in another folder
+    finds them.
+
+    Raises:
+        FileNotFoundError: a named file is in neither place (the message names the parameter
+            and the paths tried, never the URL's password).
+    """
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if not any(k in TLS_FILES for k, _ in query):
+        return url
+    out = []
+    for key, value in query:
+        if key in TLS_FILES and value:
+            tried = [Path(value)] if os.path.isabs(value) else \
+                [*([base / value] if base is not None else []), Path.cwd() / value]
+            found = next((p for p in tried if p.exists()), None)
+            if found is None:
+                raise FileNotFoundError(f"the Redis URL's {key} names {value}, which is not at "
+                                        f"{' nor '.join(str(p) for p in tried)}")
+            value = str(found.resolve())
+        out.append((key, value))
+    return urllib.parse.urlunsplit(parts._replace(
+        query=urllib.parse.urlencode(out, quote_via=urllib.parse.quote, safe="/")))
+
+
 def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
             retries: int = 6) -> redis.Redis:
     """A binary-safe client for `url` with timeouts above `block_ms` and retries.
 
     Raises:
         ValueError: if the socket timeout does not exceed the blocking read time.
+        FileNotFoundError: a TLS file the URL names does not exist (`resolve_tls_files`).
     """
+    url = resolve_tls_files(url)
     if socket_timeout_s * 1000 <= block_ms + 500:
         raise ValueError(f"broker.socket_timeout_s ({socket_timeout_s} s) must exceed "
                          f"broker.block_ms ({block_ms} ms) by at least 0.5 s")

@@ -23,7 +23,7 @@ import redis
 
 from broker import codec, registry
 from broker.archive import fsync_dir
-from broker.connection import URL_ENV, connect, redact, url_from_env
+from broker.connection import URL_ENV, connect, redact, resolve_tls_files, url_from_env
 from broker.keys import RunKeys
 from pipeline import config as cfgmod
 from pipeline import data, quant
@@ -120,7 +120,11 @@ class _UrlFile(argparse.Action):
                          f"{getattr(e, 'strerror', None) or e}")
         if not lines or not lines[0].strip():
             parser.error(f"{option_string}: {value} is empty")
-        setattr(namespace, self.dest, lines[0].strip())
+        try:  # the TLS files it names: beside the file first
+            url = resolve_tls_files(lines[0].strip(), Path(value).resolve().parent)
+        except FileNotFoundError as e:
+            parser.error(f"{option_string} {value}: {e}")
+        setattr(namespace, self.dest, url)
 
 
 def add_redis_args(ap: argparse.ArgumentParser, *, required: bool = True,

@@ -162,6 +162,9 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
         for fh in logs.values():
             fh.close()
     assert cli("inspect", "--run", "hand", *url, "--json", tools=True)
+    done = _run([diloco, "redis-cli", *url, "--", "XLEN", "ddl:{hand/f0001}:frags"], work,
+                tools_env)
+    assert int(done.stdout.strip()) >= 1, done.stdout
     # replay merges with a library already built, else numpy (the same bits): it builds none
     empty = work / "replay-kernel-cache"
     done = _run([diloco, "replay", "--run", "hand", *url, "--json"], work,

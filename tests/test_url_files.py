@@ -4,6 +4,7 @@ are found beside it (else in the working folder), and a missing one is named in 
 from __future__ import annotations
 
 import os
+import urllib.parse
 
 import pytest
 
@@ -49,3 +50,42 @@ def test_the_cli_names_the_missing_file_in_one_line(tmp_path, capsys):
     assert done.value.code == 2 and err[0].startswith("usage:"), err  # argparse's refusal
     assert "error: --redis-url-file" in err[-1] and "ssl_ca_certs names ca.crt" in err[-1], err
     assert ":pw@" not in "\n".join(err)
+
+
+def test_redis_cli_command_keeps_the_password_off_argv(tmp_path):
+    from ops.cli.tools import redis_cli_command
+
+    for name in ("ca.crt", "c.crt", "c.key"):
+        (tmp_path / name).write_text("x")
+    url = (f"rediss://reader:s%40cret@redis-host:6380/3?ssl_ca_certs={tmp_path}/ca.crt"
+           f"&ssl_certfile={tmp_path}/c.crt&ssl_keyfile={tmp_path}/c.key")
+    argv, env = redis_cli_command(url, ["--", "XLEN", "k"])
+    assert argv == ["redis-cli", "-h", "redis-host", "-p", "6380", "-n", "3", "--user", "reader",
+                    "--tls", "--cacert", f"{tmp_path}/ca.crt", "--cert", f"{tmp_path}/c.crt",
+                    "--key", f"{tmp_path}/c.key", "XLEN", "k"]
+    assert env == {"REDISCLI_AUTH": "s@cret"}
+    assert redis_cli_command("redis://127.0.0.1:7000", ["PING"]) == (
+        ["redis-cli", "-h", "127.0.0.1", "-p", "7000", "PING"], {})
+
+
+def test_redis_cli_reaches_the_hardened_redis(tmp_path, capfd):
+    """Against a TLS-only Redis with client certificates and ACL users (what the docs set up),
+    as the run's reader: redis-cli alone fails there (it ignores the URL's TLS parameters)."""
+    from ops.cli import main
+    from ops.cli.tools import redis_cli_command
+    from ops.cluster.secure import SecureSetup
+
+    sec = SecureSetup(tmp_path / "sec", "exp1", ["L0"]).start()
+    try:
+        # authenticated as the reader: it may read the run's keys, nothing else
+        assert main(["redis-cli", "--redis-url-file", sec.url_file("reader"), "--",
+                     "ACL", "WHOAMI"]) == 0
+        out = capfd.readouterr().out.strip()
+        assert out.startswith("NOPERM"), out
+        password = urllib.parse.unquote(urllib.parse.urlsplit(sec.urls["reader"]).password)
+        assert main(["redis-cli", "--redis-url-file", sec.url_file("reader"), "--",
+                     "XLEN", "ddl:{exp1/f0001}:frags"]) == 0
+        assert capfd.readouterr().out.strip() == "0"
+        assert password not in " ".join(redis_cli_command(sec.urls["reader"], [])[0])
+    finally:
+        sec.stop()

@@ -1,15 +1,20 @@
-"""`diloco inspect`, `replay`, `plot`, `eval`, `sample` and `export`: the operator tools' command
-lines. The tools themselves (`ops.tools`) return data; this module parses, prints and picks the
-exit code."""
+"""`diloco inspect`, `replay`, `plot`, `eval`, `sample`, `export` and `redis-cli`: the operator
+tools' command lines. The tools themselves (`ops.tools`) return data; this module parses,
+prints and picks the exit code."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import urllib.parse
 
 import numpy as np
 
+from broker.connection import resolve_tls_files
 from broker.errors import BrokerError
 from ops.cli.common import REDIS_DOWN, fail, fail_on, print_json
 from ops.tools import checkpoint, inspect, plots, replay
@@ -180,6 +185,57 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--out", required=True, metavar="FILE.npz", help="file to write")
     x.add_argument("--json", action="store_true", help="print one JSON object")
     x.set_defaults(func=_export)
+    c = sub.add_parser("redis-cli", help="redis-cli against the run's Redis, with the URL's TLS "
+                       "files and user (the password through $REDISCLI_AUTH, never argv)",
+                       description="Run redis-cli with the host, port, database, user, TLS "
+                       "flags and client certificate of a Redis URL; everything after the "
+                       "options goes to redis-cli: diloco redis-cli --redis-url-file "
+                       "acl/reader.url -- XRANGE 'ddl:{exp1/f0001}:frags' - + COUNT 1")
+    add_redis_args(c)
+    c.add_argument("args", nargs=argparse.REMAINDER,
+                   help="redis-cli's own options and command (after --)")
+    c.set_defaults(func=_redis_cli)
+
+
+def redis_cli_command(url: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The redis-cli argv for `url` and the environment it needs beside ours: the password
+    goes in REDISCLI_AUTH (a command line is readable by every user of the host).
+
+    Raises:
+        ValueError: not a redis:// or rediss:// URL.
+        FileNotFoundError: a TLS file it names is missing (`resolve_tls_files`).
+    """
+    parts = urllib.parse.urlsplit(resolve_tls_files(url))
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError("diloco redis-cli takes a redis:// or rediss:// URL")
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    argv = ["redis-cli", "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
+    if parts.path.strip("/"):
+        argv += ["-n", parts.path.strip("/")]
+    env = {}
+    if parts.username:
+        argv += ["--user", urllib.parse.unquote(parts.username)]
+    if parts.password is not None:
+        env["REDISCLI_AUTH"] = urllib.parse.unquote(parts.password)
+    if parts.scheme == "rediss":
+        argv.append("--tls")
+        for key, flag in (("ssl_ca_certs", "--cacert"), ("ssl_ca_path", "--cacertdir"),
+                          ("ssl_certfile", "--cert"), ("ssl_keyfile", "--key")):
+            if query.get(key):
+                argv += [flag, query[key]]
+        if query.get("ssl_cert_reqs", "").lower() in ("none", "cert_none"):
+            argv.append("--insecure")
+    return argv + (args[1:] if args[:1] == ["--"] else args), env
+
+
+def _redis_cli(args: argparse.Namespace) -> int:
+    try:
+        argv, env = redis_cli_command(args.redis_url, list(args.args))
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    if shutil.which("redis-cli") is None:
+        return fail("redis-cli is not installed (apt-get install redis-tools)")
+    return subprocess.call(argv, env={**os.environ, **env})
 
 
 def _eval(args: argparse.Namespace) -> int:

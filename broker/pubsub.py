@@ -31,6 +31,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import codec
 from broker.errors import DecodeError
@@ -169,17 +170,41 @@ class Publisher:
             self.auth = None
 
 
+# what a failed CURVE handshake means, by the event the client's socket reports (measured with
+# libzmq 4.3: a pinned key that is not the syncers' fails with no detail, a learner key the
+# syncer's ZAP handler refuses with an authentication failure)
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the syncer's key is not the one this learner pins "
+                                          "(--curve-server-key {pinned})",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the syncer refused this learner's key {mine} (not on its "
+                                     "allowlist, --curve-allow)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a protocol error (code {value})",
+}
+
+
 class Subscriber:
-    """A learner's SUB socket, subscribed to a set of fragments."""
+    """A learner's SUB socket, subscribed to a set of fragments.
+
+    With CURVE, a monitor on the socket reports each failed handshake: logged at warning
+    (each endpoint at most once every `REFUSED_LOG_EVERY_S`, naming the keys by fingerprint)
+    and kept in `handshake_failures` (endpoint → reason) until a handshake with it succeeds —
+    a learner with the wrong key is visible, not silence falling back to Redis snapshots."""
 
     def __init__(self, ctx: zmq.Context, fragments: Sequence[int], hwm: int = 16,
                  max_bytes: int = codec.MAX_PAYLOAD_BYTES, curve: CurveClient | None = None):
         self.sock = ctx.socket(zmq.SUB)
+        self.handshake_failures: dict[str, str] = {}
+        self._monitor: zmq.Socket | None = None
+        self._warned: dict[str, float] = {}
         if curve is not None:
             public, secret = _secret_pair(curve.secret_file)
             self.sock.curve_publickey = public
             self.sock.curve_secretkey = secret
             self.sock.curve_serverkey = curve.server_key()
+            self._keys = {"mine": key_fingerprint(public),
+                          "pinned": key_fingerprint(curve.server_key())}
+            self._monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_HANDSHAKE_FAILED))
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 2**20)
@@ -199,8 +224,31 @@ class Subscriber:
                 self.sock.connect(ep)
                 self.connected.add(ep)
 
+    def check_handshakes(self) -> None:
+        """Read the socket monitor's events (never blocks): see the class docstring."""
+        while self._monitor is not None:
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            endpoint = ev["endpoint"].decode(errors="replace") \
+                if isinstance(ev["endpoint"], bytes) else str(ev["endpoint"])
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_failures.pop(endpoint, None)
+                continue
+            why = _HANDSHAKE_FAILED.get(ev["event"], "an unexpected event").format(
+                value=int(ev["value"]), **self._keys)
+            self.handshake_failures[endpoint] = why
+            now = time.monotonic()
+            if now - self._warned.get(endpoint, -REFUSED_LOG_EVERY_S) >= REFUSED_LOG_EVERY_S:
+                self._warned[endpoint] = now
+                log.warning("the CURVE handshake with the syncer at %s failed: %s; this learner "
+                            "(key %s) receives no merged value from it over ZeroMQ and falls "
+                            "back to Redis snapshots", endpoint, why, self._keys["mine"])
+
     def recv(self, timeout_ms: int) -> tuple[codec.GlobalHeader, dict] | None:
         """One decoded message, or None on timeout. Malformed messages are counted, skipped."""
+        self.check_handshakes()
         if not self._poller.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(copy=False)
@@ -213,4 +261,8 @@ class Subscriber:
             return None
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.sock.close(linger=0)

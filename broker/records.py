@@ -486,6 +486,9 @@ class Heartbeat(_JsonRecord):
     # the most tokens one inner step of this learner trains on, declared when it joins: a
     # contribution of n steps may not claim more than n times this
     max_tokens_per_step: int = 0
+    # syncer endpoint → why its CURVE handshake fails (broker.pubsub.Subscriber): empty when
+    # every handshake succeeds
+    handshake_failures: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

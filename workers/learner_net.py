@@ -211,7 +211,8 @@ class LearnerNet(threading.Thread):
         s = self.stats
         return {"pushes_attempted": s.pushes_attempted, "pushes_acked": s.pushes_acked,
                 "bytes_sent": s.bytes_sent, "bytes_received": self.bytes_received,
-                "snapshots_read": s.snapshots_read}
+                "snapshots_read": s.snapshots_read,
+                "handshake_failures": dict(self.sub.handshake_failures)}
 
     def _superseded(self) -> bool:
         """Whether a newer process has joined as this learner (a newer epoch in Redis): then

@@ -47,7 +47,7 @@ def collect(redis_url: str, run: str) -> dict:
                           **{k: getattr(hb, k) for k in (
                               "step", "tokens", "tokens_per_s", "step_s", "versions",
                               "pushes_attempted", "pushes_acked", "bytes_sent",
-                              "bytes_received")}}
+                              "bytes_received", "handshake_failures")}}
         fin = finals.get(name)
         if fin is not None:  # the end-of-run report is newer than the last heartbeat
             learners[name].update(step=fin.steps, tokens=fin.tokens,
@@ -103,6 +103,8 @@ def render(rep: dict) -> str:
                      f"{(rec.get('tokens_per_s') or 0):,.0f} tok/s versions {rec.get('versions')} "
                      f"lag {rec.get('version_lag')} "
                      f"heartbeat {rec['last_heartbeat_age_s']:.1f} s ago")
+        for endpoint, why in (rec.get("handshake_failures") or {}).items():
+            lines.append(f"  {'':10s} CURVE handshake with {endpoint} failing: {why}")
     for name, rec in rep["syncers"].items():
         share = " (sharing)" if rec.get("member") else ""
         lines.append(f"  {name:10s} fragments {rec.get('fragments')}{share} rounds "

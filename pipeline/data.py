@@ -403,8 +403,56 @@ def make_corpus(tokens: np.ndarray, learners: int, seq_len: int, eval_fraction: 
     return Corpus(train=train, eval=ev, shards=shards, seq_len=seq_len, seed=seed)
 
 
-def run_corpus(cfg: RunConfig) -> Corpus:
+_SCAN_BYTES = 64 << 20  # a token file is scanned in pieces of this many bytes
+
+
+def largest_token(tokens: np.ndarray) -> int:
+    """The largest id in `tokens`, read in bounded pieces (a memory-mapped file of any size);
+    for a token file, remembered in the data cache by the file's path, size and time, so a
+    learner's restart does not read it again."""
+    if tokens.dtype == np.uint8:
+        return 255 if tokens.size else 0  # bytes: every model's vocabulary holds them
+    key = None
+    if isinstance(tokens, np.memmap) and tokens.filename:
+        st = os.stat(tokens.filename)
+        key = hashlib.sha256(json.dumps([str(tokens.filename), st.st_size, st.st_mtime_ns,
+                                         tokens.size, tokens.dtype.str]).encode()).hexdigest()
+        memo = cache_dir() / f"largest-token-{key}"
+        try:
+            return int(memo.read_text())
+        except (OSError, ValueError):
+            pass
+    step = max(1, _SCAN_BYTES // tokens.dtype.itemsize)
+    top = max((int(tokens[i:i + step].max()) for i in range(0, tokens.size, step)), default=0)
+    if key is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".largest-token.")
+            with os.fdopen(fd, "w") as f:
+                f.write(str(top))
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # a read-only cache: scanned again next time
+    return top
+
+
+def run_corpus(cfg: RunConfig, vocab: int | None = None) -> Corpus:
     """The corpus of a run: its tokens split for its learners (what every process of the run
-    builds, so the shards and the evaluation split agree everywhere)."""
-    return make_corpus(load_tokens(cfg.data), cfg.learners, cfg.model.seq_len,
-                       cfg.data.eval_fraction, cfg.seed)
+    builds, so the shards and the evaluation split agree everywhere).
+
+    Args:
+        vocab: The model's vocabulary size, where the task knows it: a token id at or above
+            it is refused here (the embedding lookup would read out of range in silence).
+
+    Raises:
+        ValueError: a token id is outside the vocabulary (naming the file and both numbers).
+    """
+    tokens = load_tokens(cfg.data)
+    if vocab is not None:
+        top = largest_token(tokens)
+        if top >= vocab:
+            raise ValueError(f"data.source: {cfg.data.source} holds token id {top}, outside "
+                             f"the model's vocabulary of {vocab} (model.vocab_size): tokenised "
+                             f"for another model, or the wrong data.format")
+    return make_corpus(tokens, cfg.learners, cfg.model.seq_len, cfg.data.eval_fraction,
+                       cfg.seed)

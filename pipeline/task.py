@@ -127,9 +127,14 @@ class _RunDefaults:
     def data(self) -> Data:
         return self._corpus
 
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary, where the task knows it (token files are checked against
+        it); None: not checked."""
+        return None
+
     @cached_property
     def _corpus(self) -> Data:
-        return run_corpus(self.run)
+        return run_corpus(self.run, vocab=self.vocab_size())
 
     def tokens_per_step(self) -> int:
         return self.run.inner.batch_size * self.run.model.seq_len
@@ -145,6 +150,9 @@ class ByteGPT(_RunDefaults):
     @property
     def cfg(self):
         return self.run.model
+
+    def vocab_size(self) -> int | None:
+        return self.run.model.vocab_size
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return model.param_shapes(self.cfg)
@@ -178,6 +186,8 @@ class TreeTask(_RunDefaults):
         make_data: ``make_data(run) -> Data``; default the ``[data]`` token corpus, whose
             batches are int32 ``[batch_size, seq_len + 1]`` windows.
         tokens: Tokens of one inner step; default ``batch_size · seq_len``.
+        vocab: The model's vocabulary size: the ``[data]`` corpus's token ids are checked
+            against it when the run starts (default: not checked).
     """
 
     run: RunConfig
@@ -189,6 +199,10 @@ class TreeTask(_RunDefaults):
     make_optimizer: Callable[[RunConfig], optax.GradientTransformation] | None = None
     make_data: Callable[[RunConfig], Data] | None = None
     tokens: int | None = None
+    vocab: int | None = None
+
+    def vocab_size(self) -> int | None:
+        return self.vocab
 
     @cached_property
     def _skeleton(self) -> Any:
@@ -254,7 +268,8 @@ def _llama(cfg: RunConfig) -> TreeTask:
     ffn = -(-(m.mlp_ratio * m.d_model * 2 // 3) // 8) * 8
     lc = llama.LlamaConfig(vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                            n_heads=m.n_heads, ffn_dim=ffn, seq_len=m.seq_len)
-    return TreeTask(run=cfg, name="llama", init=lambda seed: llama.init_params(lc, seed),
+    return TreeTask(run=cfg, name="llama", vocab=m.vocab_size,
+                    init=lambda seed: llama.init_params(lc, seed),
                     loss=lambda p, b: llama.loss_and_accuracy(p, b, lc),
                     forward=lambda p, t: llama.forward(p, t, lc),
                     embeddings=tuple(sorted(llama.EMBEDDINGS)))

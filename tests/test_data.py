@@ -322,3 +322,35 @@ def test_large_corpora_are_streamed_not_read_whole(tmp_path):
     b, grew = grows(text_corpus)
     assert b.shape == (8, 256) and not b.any()
     assert grew < budget_kb, f"RSS grew by {grew} kB"
+
+
+@pytest.mark.parametrize("task", ["bytegpt", "llama"])
+def test_token_ids_outside_the_vocabulary_are_refused_at_the_start(tmp_path, cache, task):
+    """A token file made by another model's tokenizer: before, every id ≥ vocab_size was an
+    out-of-range embedding lookup that JAX clamps in silence."""
+    from pipeline.task import task_of
+
+    ids = np.arange(40_000, dtype="<u2") % 300  # ids up to 299
+    (tmp_path / "tok.u16").write_bytes(ids.tobytes())
+    over = {"data.source": str(tmp_path / "tok.u16"), "task": task, "learners": 2,
+            "model.d_model": 32, "model.n_heads": 2, "model.n_layers": 1, "model.seq_len": 32}
+    cfg = cfgmod.override(cfgmod.RunConfig(), **over)
+    with pytest.raises(ValueError, match=r"tok.u16 holds token id 299, outside the model's "
+                                         r"vocabulary of 256 \(model.vocab_size\)"):
+        task_of(cfg, local=cfg.task).data()
+    assert list(cache.glob("largest-token-*"))  # remembered: a restart does not scan again
+    ok = cfgmod.override(cfg, **{"model.vocab_size": 300})
+    assert task_of(ok, local=ok.task).data().batch(0, 0, 2).max() <= 299
+
+
+def test_largest_token_reads_in_pieces_and_remembers(tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(data_mod, "_SCAN_BYTES", 4096)
+    ids = np.zeros(3 * 2048 + 5, dtype="<u2")
+    ids[-1] = 7
+    (tmp_path / "big.u16").write_bytes(ids.tobytes())
+    toks = load_tokens(DataConfig(source=str(tmp_path / "big.u16"), max_bytes=2**40))
+    assert data_mod.largest_token(toks) == 7
+    (memo,) = cache.glob("largest-token-*")
+    memo.write_text("9")  # read back, not rescanned
+    assert data_mod.largest_token(toks) == 9
+    assert data_mod.largest_token(np.frombuffer(b"\x00\xff", np.uint8)) == 255

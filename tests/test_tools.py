@@ -201,6 +201,30 @@ def test_export_equals_the_checkpoint(finished, capsys, tmp_path):
                "--out", str(tmp_path / "x.npz"))[0] == 2
 
 
+def test_export_as_safetensors_is_read_by_the_ecosystem_and_by_eval(finished, capsys, tmp_path):
+    """safetensors' own reader sees the task's parameter names and the same values; eval of
+    the file gives the checkpoint's loss."""
+    import safetensors.numpy
+
+    rep = cli_json(capsys, "export", "--redis-url", finished.url, "--run", finished.run,
+                   "--out", str(tmp_path / "global"), "--format", "safetensors")
+    assert rep["out"] == str(tmp_path / "global.safetensors") and rep["format"] == "safetensors"
+    theirs = safetensors.numpy.load_file(rep["out"])
+    saved, _ = load_checkpoint(finished.run_dir / "checkpoint.npz")
+    assert sorted(theirs) == sorted(saved)
+    for k, v in saved.items():
+        assert theirs[k].dtype == np.float32
+        np.testing.assert_array_equal(theirs[k], v, err_msg=k)
+    assert tools.read_checkpoint(rep["out"])[2] == finished.summary["versions"]
+    ev_st = cli_json(capsys, "eval", rep["out"])
+    ev_npz = cli_json(capsys, "eval", str(finished.run_dir / "checkpoint.npz"))
+    assert ev_st["eval_loss"] == ev_npz["eval_loss"]
+    # a safetensors file that diloco did not write is refused in one line
+    safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
+    code, _, err = cli(capsys, "eval", str(tmp_path / "other.safetensors"))
+    assert code == 2 and "without a diloco configuration" in err, err
+
+
 # ----------------------------------------------------------------------------- plot
 
 

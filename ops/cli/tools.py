@@ -177,12 +177,16 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=_sample)
 
-    x = sub.add_parser("export", help="write a run's global parameters from Redis to an .npz",
-                       description="Read the global parameters the syncers committed in Redis "
-                       "and write them with the configuration in checkpoint.npz's layout.")
+    x = sub.add_parser("export", help="write a run's global parameters from Redis to .npz or "
+                       ".safetensors", description="Read the global parameters the syncers "
+                       "committed in Redis and write them with the configuration: "
+                       "checkpoint.npz's layout, or safetensors (the task's parameter names; "
+                       "the configuration in its metadata). eval and sample read both.")
     add_redis_args(x)
     x.add_argument("--run", required=True, help="run name")
-    x.add_argument("--out", required=True, metavar="FILE.npz", help="file to write")
+    x.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    x.add_argument("--format", default="npz", choices=("npz", "safetensors"),
+                   help="npz (default) or safetensors (the [safetensors] extra)")
     x.add_argument("--json", action="store_true", help="print one JSON object")
     x.set_defaults(func=_export)
     c = sub.add_parser("redis-cli", help="redis-cli against the run's Redis, with the URL's TLS "
@@ -272,7 +276,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     try:
-        rep = checkpoint.export(args.redis_url, args.run, args.out)
+        rep = checkpoint.export(args.redis_url, args.run, args.out, args.format)
     except (BrokerError, ValueError, OSError, *REDIS_DOWN) as e:
         return fail_on(e)
     if args.json:

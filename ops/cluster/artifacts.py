@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import tomllib
 from collections.abc import Mapping
@@ -51,9 +52,38 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
     (run_dir / "config.toml").write_text(cfgmod.dumps_toml(cfg))
 
 
+FORMATS = ("npz", "safetensors")  # by the file's suffix
+SAFETENSORS_EXTRA = ("the safetensors format needs its extra: "
+                     "pip install 'decoupled-diloco[safetensors]'")
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy
+    except ImportError as e:
+        raise ValueError(SAFETENSORS_EXTRA) from e
+    return safetensors
+
+
 def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig,
                     versions: list[int] | None = None) -> None:
-    """The global parameters as .npz, with the configuration (TOML text) inside."""
+    """The global parameters with the configuration (TOML text) inside, as .npz or, for a
+    ``.safetensors`` path, as safetensors (the task's parameter names as tensor names; the
+    configuration and versions in its metadata), written atomically either way."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        st = _safetensors()
+        meta = {"diloco_config_toml": cfgmod.dumps_toml(cfg), "format": "np"}
+        if versions is not None:
+            meta["diloco_versions"] = json.dumps([int(v) for v in versions])
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            st.numpy.save_file({k: np.ascontiguousarray(v, np.float32)
+                                for k, v in params.items()}, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
     arrays = {f"param/{k}": np.asarray(v, np.float32) for k, v in params.items()}
     arrays["config_toml"] = np.array(cfgmod.dumps_toml(cfg))
     if versions is not None:
@@ -61,10 +91,32 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
     write_npz_atomic(path, arrays)  # an export never leaves a half-written file
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:
+def read_checkpoint_file(path: str | Path
+                         ) -> tuple[dict[str, np.ndarray], RunConfig, list[int] | None]:
+    """Parameters, configuration and versions (None: not recorded) of a checkpoint in either
+    format (by suffix: ``.safetensors``, else .npz)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        st = _safetensors()
+        with st.safe_open(str(path), framework="np") as f:
+            meta = f.metadata() or {}
+        if "diloco_config_toml" not in meta:
+            raise ValueError("a safetensors file without a diloco configuration in its "
+                             "metadata (not written by diloco export)")
+        params = st.numpy.load_file(str(path))
+        cfg = cfgmod.from_stored(tomllib.loads(meta["diloco_config_toml"]))
+        raw = meta.get("diloco_versions")
+        versions = [int(v) for v in json.loads(raw)] if raw else None
+        return params, cfg, versions
     with np.load(path) as z:
         params = {k[len("param/"):]: z[k] for k in z.files if k.startswith("param/")}
         cfg = cfgmod.from_stored(tomllib.loads(str(z["config_toml"])))
+        versions = [int(v) for v in z["versions"]] if "versions" in z.files else None
+    return params, cfg, versions
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], RunConfig]:
+    params, cfg, _ = read_checkpoint_file(path)
     return params, cfg
 
 

@@ -55,10 +55,10 @@ def read_checkpoint(path: str | Path, task: str | None = None):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     try:
-        params, cfg = artifacts.load_checkpoint(path)
-        with np.load(path) as z:
-            versions = [int(v) for v in z["versions"]] if "versions" in z.files else None
+        params, cfg, versions = artifacts.read_checkpoint_file(path)
     except (KeyError, OSError, ValueError, zipfile.BadZipFile) as e:
+        if str(e) == artifacts.SAFETENSORS_EXTRA:
+            raise
         raise ValueError(f"{path}: not a diloco checkpoint ({type(e).__name__}: {e})") from e
     want = task_of(cfg, task).param_shapes()
     if set(params) != set(want):
@@ -177,20 +177,27 @@ def sample(path: str | Path, prompt: str, n_bytes: int, temperature: float,
 # ----------------------------------------------------------------------------- export
 
 
-def export(redis_url: str, run: str, out: str | Path) -> dict[str, Any]:
-    """Write the run's committed global parameters and configuration to an .npz.
+def export(redis_url: str, run: str, out: str | Path, fmt: str = "npz") -> dict[str, Any]:
+    """Write the run's committed global parameters and configuration to an .npz, or (`fmt`
+    "safetensors") a .safetensors file the rest of the ecosystem reads.
 
     Returns:
-        ``{"run", "out" (the file written; ".npz" is appended when missing), "versions"
-        (per fragment), "params" (count), "tensors", "bytes" (file size), "config_hash"}``.
+        ``{"run", "out" (the file written; the format's suffix is appended when missing),
+        "format", "versions" (per fragment), "params" (count), "tensors", "bytes" (file
+        size), "config_hash"}``.
 
     Raises:
         BrokerError: No configuration, a fragment without committed state, or rounds since
             its checkpoint that cannot be replayed.
+        ValueError: an unknown format, or the safetensors extra is not installed.
     """
+    if fmt not in artifacts.FORMATS:
+        raise ValueError(f"--format: {fmt!r} is not one of {', '.join(artifacts.FORMATS)}")
+    if fmt == "safetensors":
+        artifacts._safetensors()  # refused before reading Redis, not after
     out = Path(out)
-    if out.suffix != ".npz":
-        out = out.with_name(out.name + ".npz")
+    if out.suffix != f".{fmt}":
+        out = out.with_name(f"{out.name}.{fmt}")
     ctx = open_run(redis_url, run, wait_s=0, verify=False)
     r, keys, cfg, run_hash = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash
     try:
@@ -200,6 +207,6 @@ def export(redis_url: str, run: str, out: str | Path) -> dict[str, Any]:
         r.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     artifacts.save_checkpoint(out, params, cfg, versions)
-    return {"run": run, "out": str(out), "versions": versions,
+    return {"run": run, "out": str(out), "format": fmt, "versions": versions,
             "params": int(sum(v.size for v in params.values())), "tensors": len(params),
             "bytes": out.stat().st_size, "config_hash": run_hash}

@@ -176,6 +176,10 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     assert Path(work / "hand.npz").is_file() and exp["versions"]
     ev = cli("eval", "hand.npz", "--json")
     assert ev["eval_loss"] > 0
+    st = cli("export", "--run", "hand", *url, "--out", "hand", "--format", "safetensors",
+             "--json", tools=True)
+    assert st["out"].endswith("hand.safetensors")
+    assert cli("eval", "hand.safetensors", "--json")["eval_loss"] == ev["eval_loss"]
     sample = cli("sample", "hand.npz", "--prompt", "def ", "--bytes", "8", "--json")
     assert sample
     plot = cli("plot", str(work / "runs" / "main"), "--out", "plots", "--json", tools=True)

@@ -1,4 +1,6 @@
-"""`diloco acl`: one Redis ACL user per role of a run, least privilege (broker/acl.py)."""
+"""`diloco acl`: one Redis ACL user per role of a run, least privilege (broker/acl.py);
+`diloco keys`: the run's CURVE and signing keys; `diloco secure init`: an evaluation Redis's
+certificates, configuration and admin user."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from broker import acl, signing
 from broker.connection import connect, redact
 from broker.keys import check_run_name
 from ops.cli.common import fail, fail_on
-from ops.cluster import write_keys, write_role_urls
+from ops.cluster import secure_init, write_keys, write_role_urls
 from workers.common import add_redis_args
 
 
@@ -37,6 +39,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--add", action="store_true",
                    help="only add the learners' keys (keep the syncer key pair in DIR)")
     k.set_defaults(func=_keys)
+    s = sub.add_parser("secure", help="the hardened Redis's files (secure init)")
+    ssub = s.add_subparsers(dest="secure_command", required=True)
+    i = ssub.add_parser("init", help="a CA, server and client certificates, a TLS-only "
+                        "redis.conf, an ACL file with an admin user, and admin.url",
+                        description="For evaluation and small deployments: your own CA's "
+                        "certificates work as well (docs/SECURITY.md).")
+    i.add_argument("--out", required=True, metavar="DIR", help="a new folder (never overwritten)")
+    i.add_argument("--redis-host", required=True, metavar="HOST[,HOST...]",
+                   help="the names or addresses learners and syncers use to reach Redis (in "
+                        "the server certificate; the first goes into admin.url)")
+    i.add_argument("--port", type=int, default=6380, help="Redis's TLS port (default 6380)")
+    i.add_argument("--days", type=int, default=365, help="certificate validity (default 365)")
+    i.set_defaults(func=_secure_init)
 
 
 def _acl(args: argparse.Namespace) -> int:
@@ -83,6 +98,23 @@ def _keys(args: argparse.Namespace) -> int:
         made = write_keys(out, ids, syncer=not args.add)
     except (OSError, ValueError) as e:
         return fail(f"--out {out}: {e}")
+    for line in made:
+        print(line)
+    return 0
+
+
+def _secure_init(args: argparse.Namespace) -> int:
+    hosts = [h.strip() for h in args.redis_host.split(",") if h.strip()]
+    if not hosts:
+        return fail("--redis-host: expected one or more host names or addresses")
+    if not 1 <= args.port <= 65535 or not 1 <= args.days <= 3650:
+        return fail("--port must be 1-65535 and --days 1-3650")
+    try:
+        made = secure_init(Path(args.out), hosts, args.port, args.days)
+    except ValueError as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"--out {args.out}: {e.strerror or e}")
     for line in made:
         print(line)
     return 0

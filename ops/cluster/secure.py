@@ -133,3 +133,123 @@ class SecureSetup:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+SECURE_EXTRA = ("diloco secure init needs its extra: pip install 'decoupled-diloco[secure]' "
+                "(the certificates are made with the cryptography package)")
+
+
+def _x509():
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    except ImportError as e:
+        raise ValueError(SECURE_EXTRA) from e
+    return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
+
+
+def _san(x509, host: str):
+    import ipaddress
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def secure_init(out: Path, hosts: list[str], port: int = 6380, days: int = 365) -> list[str]:
+    """An evaluation Redis for the hardened setup under `out`: a new CA, a server certificate
+    for `hosts` (DNS names or IP addresses), a client certificate (ECDSA P-256, made with the
+    `cryptography` package), a TLS-only `redis.conf` that requires client certificates, an
+    ACL file whose `default` user is off and whose `admin` user has a new password (stored as
+    its SHA-256, as Redis reads it), and `admin.url` (mode 600) naming the TLS files by paths
+    relative to itself. Returns what went where, one line each.
+
+    Raises:
+        ValueError: `out` already holds a CA (nothing is overwritten), or the extra is missing.
+    """
+    import datetime
+    import hashlib
+
+    x509, hashes, serialization, ec, eku, oid = _x509()
+    out = Path(out)
+    if (out / "ca.key").exists():
+        raise ValueError(f"{out}/ca.key exists: secure init never overwrites a CA")
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM,
+                                 serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def cert(subject: str, key, issuer, issuer_key, *, ca: bool = False, usage=None,
+             sans: list[str] = ()):
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(oid.COMMON_NAME, subject)]))
+             .issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=days))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None),
+                            critical=True))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(True, False, False, False, False, True, True,
+                                              False, False), critical=True)
+        else:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName([_san(x509, h) for h in sans]),
+                                critical=False)
+        return b.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(oid.COMMON_NAME, "diloco evaluation CA")])
+    files: dict[str, bytes] = {"ca.key": key_pem(ca_key)}
+    files["ca.crt"] = cert("diloco evaluation CA", ca_key, ca_name, ca_key, ca=True)
+    for name, usage, sans in (("server", eku.SERVER_AUTH, hosts),
+                              ("client", eku.CLIENT_AUTH, [])):
+        k = ec.generate_private_key(ec.SECP256R1())
+        files[f"{name}.key"] = key_pem(k)
+        files[f"{name}.crt"] = cert(f"diloco {name}", k, ca_name, ca_key, usage=usage,
+                                    sans=list(sans))
+    password = signing.new_key().hex()
+    files["users.acl"] = (
+        "user default off\n"
+        f"user admin on #{hashlib.sha256(password.encode()).hexdigest()} ~* &* +@all\n"
+    ).encode()
+    files["redis.conf"] = (
+        "# written by diloco secure init: TLS only, client certificates required, ACL users\n"
+        "# from users.acl. Start it in this folder (the paths are relative to it):\n"
+        "#   cd <this folder> && redis-server ./redis.conf\n"
+        "# and merge the persistence and memory settings of ops/redis.conf.\n"
+        "port 0\n"
+        f"tls-port {port}\n"
+        "bind 0.0.0.0\n"
+        "protected-mode yes\n"
+        "tls-cert-file server.crt\ntls-key-file server.key\ntls-ca-cert-file ca.crt\n"
+        "tls-auth-clients yes\n"
+        "aclfile users.acl\n"
+        "appendonly yes\nappendfsync everysec\nmaxmemory-policy noeviction\n").encode()
+    host = hosts[0]
+    files["admin.url"] = (f"rediss://admin:{password}@{host}:{port}/0?ssl_ca_certs=ca.crt"
+                          "&ssl_certfile=client.crt&ssl_keyfile=client.key\n").encode()
+    secret = {"ca.key", "server.key", "client.key", "users.acl", "admin.url"}
+    old_umask = os.umask(0o077)
+    try:
+        for name, data in files.items():
+            path = out / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(path, 0o600 if name in secret else 0o644)
+    finally:
+        os.umask(old_umask)
+    return [f"{out}/ca.crt, client.crt, client.key   every host that reaches Redis (beside its "
+            f"URL file); ca.key stays with you (it signs new certificates)",
+            f"{out}/server.crt, server.key, redis.conf, users.acl   the Redis host: "
+            f"cd {out} && redis-server ./redis.conf",
+            f"{out}/admin.url   the operator (mode 600): diloco acl --apply --redis-url-file "
+            f"{out}/admin.url …"]

@@ -175,8 +175,8 @@ def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int) -> Limit
                 next(iter(got.values())), dict) else got
         value = int(got["proto-max-bulk-len"])
         return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len")
-    except (redis.exceptions.NoPermissionError, redis.ResponseError, KeyError, TypeError,
-            ValueError, StopIteration):
+    except (redis.exceptions.NoPermissionError, redis.ResponseError, ClusterError,
+            RedisClusterException, KeyError, TypeError, ValueError, StopIteration):
         return Limits(max_payload_bytes, REDIS_BULK_DEFAULT,
                       "Redis's default proto-max-bulk-len (CONFIG GET not allowed here)")
 

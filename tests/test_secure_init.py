@@ -4,6 +4,7 @@ openssl commands, an admin password hashed by hand and outside knowledge)."""
 
 from __future__ import annotations
 
+import shutil
 import stat
 import subprocess
 import time
@@ -47,7 +48,8 @@ def _wait_answering(url: str) -> redis.Redis:
             time.sleep(0.1)
 
 
-def test_secure_init_makes_a_redis_only_the_admin_reaches(hardened, capfd, tmp_path):
+def test_secure_init_makes_a_redis_only_the_admin_reaches(hardened, capfd, tmp_path,
+                                                          monkeypatch):
     out, port = hardened
     for name in ("ca.key", "server.key", "client.key", "users.acl", "admin.url"):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
@@ -65,16 +67,37 @@ def test_secure_init_makes_a_redis_only_the_admin_reaches(hardened, capfd, tmp_p
                              f"&ssl_keyfile={out}/client.key").ping()
     with pytest.raises((redis.ConnectionError, OSError)):
         redis.Redis.from_url(base, socket_timeout=5).ping()
-    # the next steps of the recipe, as written: the roles' users, then redis-cli as admin
+    # the next steps of the recipe, as README writes them: the roles' users (TLS files named
+    # relative to the URL files, copied beside them), the keys, one bundle per host
     capfd.readouterr()
-    url = (f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={out}/ca.crt&ssl_certfile="
-           f"{out}/client.crt&ssl_keyfile={out}/client.key")
-    assert main(["acl", "--run", "exp1", "--url", url, "--out", str(tmp_path / "acl"),
-                 "--apply", "--redis-url-file", str(out / "admin.url")]) == 0
+    acl_dir, keys_dir, hosts = tmp_path / "acl", tmp_path / "keys", tmp_path / "hosts"
+    url = (f"rediss://127.0.0.1:{port}/0?ssl_ca_certs=ca.crt&ssl_certfile=client.crt"
+           f"&ssl_keyfile=client.key")
+    assert main(["acl", "--run", "exp1", "--url", url, "--out", str(acl_dir), "--apply",
+                 "--redis-url-file", str(out / "admin.url")]) == 0
+    for name in ("ca.crt", "client.crt", "client.key"):
+        shutil.copy(out / name, acl_dir / name)
+    assert main(["keys", "--out", str(keys_dir), "--learners", "L0,L1"]) == 0
+    assert main(["bundle", "--acl", str(acl_dir), "--keys", str(keys_dir), "--learners",
+                 "L0,L1", "--out", str(hosts)]) == 0
+    said = capfd.readouterr().out
+    assert "diloco learner --redis-url-file learner.url" in said, said
+    tls = {"ca.crt", "client.crt", "client.key"}
+    assert {p.name for p in (hosts / "L0").iterdir()} == {"learner.url", "syncer.key",
+                                                          "L0.key_secret", "L0.sign", *tls}
+    assert {p.name for p in (hosts / "syncer").iterdir()} == {
+        "syncer.url", "syncer.key_secret", "allow", "signers", *tls}
+    assert {p.name for p in (hosts / "reader").iterdir()} == {"reader.url", *tls}
+    # a host's folder works from wherever a process is started
+    monkeypatch.chdir(tmp_path)
+    assert main(["redis-cli", "--redis-url-file", str(hosts / "reader" / "reader.url"), "--",
+                 "XLEN", "ddl:{exp1/f0001}:frags"]) == 0
+    assert capfd.readouterr().out.strip() == "0"
     assert main(["redis-cli", "--redis-url-file", str(out / "admin.url"), "--",
                  "ACL", "WHOAMI"]) == 0
     assert capfd.readouterr().out.strip().endswith("admin")
-    learner = _wait_answering((tmp_path / "acl" / "learner.url").read_text().strip())
+    learner = _wait_answering(resolve_tls_files(
+        (hosts / "L1" / "learner.url").read_text().strip(), hosts / "L1"))
     learner.close()
     # never over an existing CA
     assert main(["secure", "init", "--out", str(out), "--redis-host", "127.0.0.1"]) == 2

@@ -13,7 +13,7 @@ from broker import acl, signing
 from broker.connection import connect, redact
 from broker.keys import check_run_name
 from ops.cli.common import fail, fail_on
-from ops.cluster import secure_init, write_keys, write_role_urls
+from ops.cluster import secure_init, write_bundles, write_keys, write_role_urls
 from workers.common import add_redis_args
 
 
@@ -39,6 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--add", action="store_true",
                    help="only add the learners' keys (keep the syncer key pair in DIR)")
     k.set_defaults(func=_keys)
+    b = sub.add_parser("bundle", help="one folder per host role with exactly the files that "
+                       "host needs (URL file, TLS files, keys) and the command it runs")
+    b.add_argument("--acl", required=True, metavar="DIR", help="what diloco acl wrote")
+    b.add_argument("--keys", required=True, metavar="DIR", help="what diloco keys wrote")
+    b.add_argument("--learners", required=True, metavar="ID,ID,...")
+    b.add_argument("--out", required=True, metavar="DIR", help="a new folder")
+    b.set_defaults(func=_bundle)
     s = sub.add_parser("secure", help="the hardened Redis's files (secure init)")
     ssub = s.add_subparsers(dest="secure_command", required=True)
     i = ssub.add_parser("init", help="a CA, server and client certificates, a TLS-only "
@@ -87,10 +94,30 @@ def _acl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _learner_ids(text: str) -> list[str] | None:
+    ids = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in ids if not x.replace("-", "").replace("_", "").replace(".", "").isalnum()
+           or x.startswith(".")]
+    return None if not ids or bad else ids
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    ids = _learner_ids(args.learners)
+    if ids is None:
+        return fail(f"--learners: expected ids of letters, digits, '.', '_', '-'; got "
+                    f"{args.learners!r}")
+    try:
+        lines = write_bundles(Path(args.acl), Path(args.keys), Path(args.out), ids)
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    for line in lines:
+        print(line)
+    return 0
+
+
 def _keys(args: argparse.Namespace) -> int:
-    ids = [x.strip() for x in args.learners.split(",") if x.strip()]
-    bad = [x for x in ids if not x.replace("-", "").replace("_", "").replace(".", "").isalnum()]
-    if not ids or bad:
+    ids = _learner_ids(args.learners)
+    if ids is None:
         return fail(f"--learners: expected ids of letters, digits, '.', '_', '-'; got "
                     f"{args.learners!r}")
     out = Path(args.out)

@@ -7,11 +7,17 @@ from ops.cluster.inprocess import run_inprocess
 from ops.cluster.launcher import Launcher, RunFailed, run_distributed
 from ops.cluster.netproxy import TcpProxy
 from ops.cluster.redis_server import ClusterServers, RedisServer, TlsFiles, free_port
-from ops.cluster.secure import SecureSetup, secure_init, write_keys, write_role_urls
+from ops.cluster.secure import (
+    SecureSetup,
+    secure_init,
+    write_bundles,
+    write_keys,
+    write_role_urls,
+)
 from ops.cluster.supervisor import Supervisor, global_params, role_cmd, store_run_config
 from ops.cluster.wire import codec_sizes
 
 __all__ = ["ClusterServers", "Launcher", "RedisServer", "RunFailed", "SecureSetup", "Supervisor",
            "TcpProxy", "TlsFiles", "artifacts", "codec_sizes", "free_port", "global_params",
            "role_cmd", "run_distributed", "run_inprocess", "secure_init", "store_run_config",
-           "write_keys", "write_role_urls"]
+           "write_bundles", "write_keys", "write_role_urls"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,3 +254,82 @@ def secure_init(out: Path, hosts: list[str], port: int = 6380, days: int = 365) 
             f"cd {out} && redis-server ./redis.conf",
             f"{out}/admin.url   the operator (mode 600): diloco acl --apply --redis-url-file "
             f"{out}/admin.url …"]
+
+
+def _bundle_url(url_file: Path, dest: Path) -> list[Path]:
+    """Copy a role's URL file into the bundle folder `dest`, with the TLS files it names
+    copied beside it and named by their file names only (found beside the URL file wherever
+    the folder goes: `broker.connection.resolve_tls_files`); returns the files copied."""
+    from broker.connection import TLS_FILES, resolve_tls_files
+
+    text = url_file.read_text(encoding="utf-8").strip().splitlines()[0].strip()
+    parts = urllib.parse.urlsplit(resolve_tls_files(text, url_file.resolve().parent))
+    query, copied = [], []
+    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if key in TLS_FILES and value:
+            src = Path(value)
+            target = dest / src.name
+            if src.is_dir():
+                shutil.copytree(src, target, dirs_exist_ok=True)
+            else:
+                shutil.copy(src, target)
+                os.chmod(target, 0o600 if src.suffix == ".key" else 0o644)
+            copied.append(target)
+            value = src.name
+        query.append((key, value))
+    url = urllib.parse.urlunsplit(parts._replace(
+        query=urllib.parse.urlencode(query, quote_via=urllib.parse.quote, safe="/")))
+    signing.write_private(dest / url_file.name, url + "\n")
+    return [dest / url_file.name, *copied]
+
+
+def write_bundles(acl_dir: Path, keys_dir: Path, out: Path, learners: list[str]) -> list[str]:
+    """One folder per host role under `out` holding exactly the files that host needs — its
+    role's URL file with the TLS files it names (paths relative to the file), and its keys —
+    and the command it runs there; returns one line per folder.
+
+    Raises:
+        FileNotFoundError: a file the bundles need is missing (named).
+        ValueError: `out` exists already (bundles are never merged into old ones).
+    """
+    if out.exists():
+        raise ValueError(f"{out} exists: bundles are written into a new folder")
+    need = [acl_dir / f"{r}.url" for r in acl.ROLES] + [keys_dir / "syncer.key",
+                                                       keys_dir / "syncer.key_secret"]
+    need += [keys_dir / "learners" / f"{lid}.{ext}" for lid in learners
+             for ext in ("key_secret", "sign")]
+    for path in need:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (diloco acl and diloco keys write it)")
+    lines = []
+    old_umask = os.umask(0o077)
+    try:
+        for role in ("syncer", "operator", "reader"):
+            dest = out / role
+            dest.mkdir(parents=True)
+            _bundle_url(acl_dir / f"{role}.url", dest)
+            cmd = {"syncer": "diloco syncer --redis-url-file syncer.url --run RUN --id syncer-0 "
+                             "--bind tcp://0.0.0.0:5555 --advertise-host HOST --curve-secret "
+                             "syncer.key_secret --curve-allow allow --sign-keys signers",
+                   "operator": "diloco init --redis-url-file operator.url --run RUN "
+                               "--config my.toml",
+                   "reader": "diloco status --redis-url-file reader.url --run RUN"}[role]
+            if role == "syncer":
+                shutil.copy(keys_dir / "syncer.key_secret", dest)
+                shutil.copytree(keys_dir / "allow", dest / "allow")
+                shutil.copytree(keys_dir / "signers", dest / "signers")
+            lines.append(f"{dest}/   the {role}'s host; there: {cmd}")
+        for lid in learners:
+            dest = out / lid
+            dest.mkdir(parents=True)
+            _bundle_url(acl_dir / "learner.url", dest)
+            shutil.copy(keys_dir / "syncer.key", dest)
+            for ext in ("key_secret", "sign"):
+                shutil.copy(keys_dir / "learners" / f"{lid}.{ext}", dest)
+            lines.append(f"{dest}/   learner {lid}'s host; there: diloco learner "
+                         f"--redis-url-file learner.url --run RUN --id {lid} --state-dir state "
+                         f"--curve-secret {lid}.key_secret --curve-server-key syncer.key "
+                         f"--sign-key {lid}.sign")
+    finally:
+        os.umask(old_umask)
+    return lines

@@ -255,7 +255,8 @@ def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
         ok, why = core.offer(c, float(i))
         assert ok, why
     result = core.close(float(len(contributions)), "reference")
-    return result.version, {k: quant.dequantize(q) for k, q in result.sent.items()}
+    # the value learners hold (with the delta down link, not the delta that went out)
+    return result.version, {k: quant.dequantize(q) for k, q in core.snapshot_tensors.items()}
 
 
 def end_processes(procs: Mapping[str, subprocess.Popen], logs: Mapping[str, IO]) -> None:

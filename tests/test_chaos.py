@@ -44,6 +44,7 @@ def check(rep: dict, learners: int = 3) -> None:
     assert rep["pushes_acked"] <= rep["pushes_attempted"]
 
 
+@pytest.mark.slow
 def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
     """With warm spares (`diloco chaos --spares`): each learner has a `--standby` process,
     and the killed learner is brought back by activating its spare (no process start, data
@@ -69,6 +70,7 @@ def test_learner_kill_pause_partition_and_syncer_kill(tmp_path):
     assert sorted(rep["exit_codes"]) == ["L0", "L1", "L2", "syncer-0"], rep["exit_codes"]
 
 
+@pytest.mark.slow
 def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
     """Three syncers started without a fragment list share 8 fragments; one is SIGKILLed for
     good mid-run and the other two take its fragments over (within its lease), claim what it

@@ -60,27 +60,29 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
     cfg = tiny_config(learners=2, steps=40, sync={"codec_up": "int4", "codec_down": "int4",
                                                   "down_delta": True})
     (tmp_path / "my.toml").write_text(cfgmod.dumps_toml(cfg))
-    subs = {"redis-host": "127.0.0.1", "syncer-host": "127.0.0.1", ":6380/": f":{redis_port}/",
-            "0.0.0.0:5555": f"127.0.0.1:{pub_port}"}
+    subs = {r"(?<![-\w])redis-host(?![-\w])": "127.0.0.1",
+            r"(?<![-\w])syncer-host(?![-\w])": "127.0.0.1",
+            ":6380/": f":{redis_port}/", "0.0.0.0:5555": f"127.0.0.1:{pub_port}"}
     env = {**os.environ, "PATH": f"{Path(DILOCO).parent}:{os.environ['PATH']}"}
     env.pop("DILOCO_REDIS_URL", None)
     procs: list[subprocess.Popen] = []
+    handles = []  # the processes' log files, closed at the end
     logs = tmp_path / "logs"
     logs.mkdir()
 
     def shell(cmd: str, cwd: Path, name: str, wait: bool = True) -> subprocess.Popen | str:
         for k, v in subs.items():
-            cmd = cmd.replace(k, v)
+            cmd = re.sub(k, v, cmd)
         if cmd.startswith("diloco secure init"):
             cmd += f" --port {redis_port}"  # the README takes the default port
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115 (closed below)
+        handles.append(log)
         p = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=log,
                              stderr=subprocess.STDOUT)
         procs.append(p)
         if not wait:
             return p
         code = p.wait(300)
-        log.close()
         out = (logs / f"{name}.log").read_text()
         assert code == 0, f"{cmd}\n{out[-3000:]}"
         return out
@@ -133,6 +135,9 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
                     p.wait(20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait(20)
+        for log in handles:
+            log.close()
 
 
 @pytest.fixture(autouse=True)

@@ -123,6 +123,7 @@ def _check_shaping(rep: dict, mbps: float) -> None:
 
 
 @needs_lab
+@pytest.mark.slow
 def test_decoupled_in_the_lab_survives_a_partition(tmp_path):
     """Two sites behind 2 Mbit/s links with 20 ms round trips; site 1 is cut off for 8 s:
     its learner keeps training, rejoins and contributes again, site 0 never stalls, the

@@ -39,6 +39,7 @@ REACHES: dict[str, tuple[str, ...]] = {
     "ops.cluster.redis_server.": ("redis", "process"),
     "ops.cluster.RedisServer": ("redis", "process"),
     "ops.cluster.RedisCluster": ("redis", "process"),
+    "ops.cluster.ClusterServers": ("redis", "process"),
     "ops.cluster.cluster.": ("redis", "process"),
     "redis.": ("redis",),
     "broker.connection.connect": ("redis",),

@@ -16,6 +16,7 @@ Redis refuses a single value over its `proto-max-bulk-len` (512 MB unless config
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -110,16 +111,9 @@ def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
         if not _problems(cfg, found[1], limits):
             return (f"{head}: set sync.fragments to at least {more} (the largest fragment then "
                     f"holds {found[1]:,} values)")
-    biggest = max(shapes, key=lambda k: _count(shapes[k]))
+    biggest = max(shapes, key=lambda k: math.prod(shapes[k]))
     setting = ("broker.max_payload_bytes" if "max_payload_bytes" in name
                else "proto-max-bulk-len in redis.conf")
     return (f"{head}, and no number of fragments fits it (the tensor {biggest!r} alone holds "
-            f"{_count(shapes[biggest]):,} values): raise {setting} (values are not carried "
+            f"{math.prod(shapes[biggest]):,} values): raise {setting} (values are not carried "
             f"in pieces yet)")
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_broker import tiny_config
+from helpers_broker import end_processes, tiny_config
 
 from ops.cluster import free_port
 from pipeline import config as cfgmod
@@ -65,8 +65,8 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
             ":6380/": f":{redis_port}/", "0.0.0.0:5555": f"127.0.0.1:{pub_port}"}
     env = {**os.environ, "PATH": f"{Path(DILOCO).parent}:{os.environ['PATH']}"}
     env.pop("DILOCO_REDIS_URL", None)
-    procs: list[subprocess.Popen] = []
-    handles = []  # the processes' log files, closed at the end
+    procs: dict[str, subprocess.Popen] = {}
+    handles = {}  # the processes' log files, closed at the end
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -76,10 +76,10 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
         if cmd.startswith("diloco secure init"):
             cmd += f" --port {redis_port}"  # the README takes the default port
         log = open(logs / f"{name}.log", "wb")  # noqa: SIM115 (closed below)
-        handles.append(log)
+        handles[name] = log
         p = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=log,
                              stderr=subprocess.STDOUT)
-        procs.append(p)
+        procs[name] = p
         if not wait:
             return p
         code = p.wait(300)
@@ -128,16 +128,7 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
         learner_log = (logs / "L0.log").read_text()
         assert "CURVE handshake" not in learner_log and "Traceback" not in learner_log
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(20)
-        for log in handles:
-            log.close()
+        end_processes(procs, handles)
 
 
 @pytest.fixture(autouse=True)

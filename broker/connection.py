@@ -20,7 +20,8 @@ from pathlib import Path
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterError,
+                              RedisClusterException, TryAgainError)
 from redis.retry import Retry
 
 from pipeline.capacity import REDIS_BULK_DEFAULT, Limits
@@ -40,6 +41,38 @@ URL_ENV = "DILOCO_REDIS_URL"  # where every command looks for the Redis URL last
 # client's own retries are spent. Learners and syncers ride these out (back off, then resync).
 OUTAGE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError,
                                        ClusterError, TryAgainError, RedisClusterException)
+
+
+# A refusal is a ConnectionError to redis-py, but asking again cannot change the answer.
+REFUSED: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
+
+
+class _Refused(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Retry(Retry):
+    """redis-py's `Retry`, except that a refused login (`REFUSED`) is raised at once: a wrong or
+    missing password otherwise spends every retry of the connection and of the command (24 s
+    here before the first error message)."""
+
+    def call_with_retry(self, do, fail, *args, **kwargs):
+        def once():
+            try:
+                return do()
+            except REFUSED as e:
+                raise _Refused(e) from e
+
+        try:
+            return super().call_with_retry(once, fail, *args, **kwargs)
+        except _Refused as refused:
+            raise refused.error from None
+
+
+def _retry(retries: int) -> Retry:
+    return _Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries)
 
 
 def redact(url: str) -> str:
@@ -148,16 +181,14 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
               "socket_connect_timeout": min(5.0, socket_timeout_s), "decode_responses": False,
               **({"command_packer": _PACKER} if _PACKER is not None else {})}
     client = redis.Redis.from_url(
-        url, retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError], health_check_interval=30,
-        **common)
+        url, retry=_retry(retries), retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30, **common)
     if not is_cluster(client):
         return client
     client.close()
     # any node's URL: the client reads the slot map from it and follows MOVED/ASK, and after
     # a failover re-reads it (retrying with backoff while the slots move)
-    return RedisCluster.from_url(
-        url, retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), retries), **common)
+    return RedisCluster.from_url(url, retry=_retry(retries), **common)
 
 
 def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int) -> Limits:

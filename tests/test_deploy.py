@@ -144,7 +144,7 @@ def _probe(port: int, path: str) -> int | None:
 
 
 def _secrets(tmp: Path, run: str, learners: list[str], redis_port: int) -> dict:
-    """The Secrets and the ConfigMap as docs/OPERATIONS.md §2.10 makes them, for this host."""
+    """The Secrets and the ConfigMap as docs/DEPLOY.md §2.11 makes them, for this host."""
     tls = TlsFiles.generate(tmp / "tls")
     # the role URLs name the client TLS files where this machine has them (on a cluster:
     # the pod's mount, /etc/diloco/redis/…)

@@ -207,7 +207,7 @@ def _loadable(lib: Path, what: str) -> bool:
         loaded = False
     if not loaded:
         log.warning("%s is built with the address sanitizer, whose runtime this process has "
-                    "not preloaded (LD_PRELOAD: docs/OPERATIONS.md, %s): %s", lib.name,
+                    "not preloaded (LD_PRELOAD: docs/DEPLOY.md, %s): %s", lib.name,
                     SANITIZE_ENV, what)
     return loaded
 

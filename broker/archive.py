@@ -30,10 +30,10 @@ from pathlib import Path
 import msgpack
 import redis
 
-from broker.codec import M_INT, MBin, MList, MMap, MStr, MTuple, unpack_checked
 from broker.errors import DecodeError
 from broker.ids import as_text, id_key
 from broker.keys import RunKeys
+from broker.untrusted import M_INT, MBin, MList, MMap, MStr, MTuple, unpack_checked
 
 ARCHIVE_VERSION = 1
 SUFFIX = ".msgpack"

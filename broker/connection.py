@@ -20,8 +20,13 @@ from pathlib import Path
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (AuthenticationError, AuthorizationError, ClusterError,
-                              RedisClusterException, TryAgainError)
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from pipeline.capacity import REDIS_BULK_DEFAULT, Limits

@@ -23,10 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import re
-import types
-import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,165 +32,19 @@ import redis
 from broker.errors import DecodeError
 from broker.ids import as_text
 from broker.keys import FragmentKeys
+from broker.untrusted.values import (
+    MAX_ITEMS,
+    bounded_json,
+    bounded_text,
+    finite_number,
+    nonneg_int,
+    record_from_json,
+    typed,
+)
 from pipeline.contribution import Drop, Reason
 
 __all__ = ["Drop", "Reason", "RoundRecord", "Included", "Heartbeat", "SyncerInfo",
            "FinalPushes", "LearnerFinal", "SyncerFinal", "read_rounds"]
-
-
-_MAX_ITEMS = 100_000  # items of one list or map of a record
-_MAX_TEXT = 4096  # characters of one str of a record
-_MAX_JSON = 16 * 2**20  # bytes (characters) of one JSON value
-# bytes beyond ASCII widen to up to 4 bytes a character when decoded: such JSON is held to this
-_MAX_WIDE_JSON = 2**20
-_INT64 = 2**63
-_MAX_DIGITS = 20
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_JSON_STRING_B = re.compile(_JSON_STRING.pattern.encode(), re.DOTALL)
-# an innermost container (no container inside it), in JSON with its strings blanked out
-_JSON_INNER = re.compile(r"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
-_JSON_INNER_B = re.compile(_JSON_INNER.pattern.encode())
-_INT_TEXT = re.compile(r"-?[0-9]{1,19}")
-
-
-def _short(v: Any) -> str:
-    """A short repr of an untrusted value, for messages."""
-    if isinstance(v, list | dict | tuple | set):
-        return f"<{type(v).__name__} of {len(v)} items>"
-    text = repr(v[:48] if isinstance(v, str | bytes | bytearray) else v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _text(v: Any, what: str, max_len: int = _MAX_TEXT) -> str:
-    """A str (or utf-8 bytes) of at most `max_len` characters."""
-    if isinstance(v, bytes | bytearray | memoryview):
-        if len(v) > 4 * max_len:
-            raise DecodeError(f"{what}: longer than {max_len} characters")
-        try:
-            v = bytes(v).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"{what}: not utf-8") from e
-    if not isinstance(v, str):
-        raise DecodeError(f"{what}: expected text, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise DecodeError(f"{what}: longer than {max_len} characters")
-    return v
-
-
-def _num(v: Any, what: str) -> float:
-    """A finite number: an int or float, or its text (as Redis returns it)."""
-    if isinstance(v, bool):
-        raise DecodeError(f"{what}: a bool is not a number")
-    if isinstance(v, int):  # only one that is a float exactly: the value is not changed
-        try:
-            x = float(v)
-        except OverflowError:
-            x = math.inf
-        if x != v:
-            raise DecodeError(f"{what}: {str(v)[:24]} is not a float exactly")
-        return x
-    if isinstance(v, float):
-        x = v
-    else:
-        try:
-            x = float(_text(v, what, 64))
-        except ValueError as e:
-            raise DecodeError(f"{what}: not a number: {_short(v)}") from e
-    if not math.isfinite(x):
-        raise DecodeError(f"{what}: not finite")
-    return x
-
-
-def _int(v: Any, what: str) -> int:
-    """An int in [-2**63, 2**63): an int, an integral float, or the text of either."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        x = v
-    elif isinstance(v, str | bytes | bytearray | memoryview):
-        text = _text(v, what, 64)
-        if _INT_TEXT.fullmatch(text):
-            x = int(text)
-        else:
-            f = _num(text, what)
-            if f != int(f):
-                raise DecodeError(f"{what}: not an integer")
-            x = int(f)
-    else:
-        f = _num(v, what)
-        if f != int(f):
-            raise DecodeError(f"{what}: not an integer")
-        x = int(f)
-    if not -_INT64 <= x < _INT64:
-        raise DecodeError(f"{what}: out of range")
-    return x
-
-
-def _nat(v: Any, what: str) -> int:
-    x = _int(v, what)
-    if x < 0:
-        raise DecodeError(f"{what}: negative")
-    return x
-
-
-def _json_int(text: str) -> int:
-    if len(text) > _MAX_DIGITS:
-        raise ValueError(f"an int of {len(text)} digits")
-    return int(text)
-
-
-def _json_float(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):
-        raise ValueError(f"{text[:24]} is not finite")
-    return x
-
-
-def _json_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not a JSON number")
-
-
-def _json(v: Any, what: str, *, max_depth: int = 8, max_containers: int = 64,
-          max_items: int = _MAX_ITEMS) -> Any:
-    """JSON text (str or utf-8 bytes) decoded; anything else is returned as it is.
-
-    Bounded before the parser runs: at most `max_containers` arrays and objects nested at
-    most `max_depth` deep and `max_items` items (commas and colons) in all, numbers finite
-    (NaN and Infinity refused) and of at most 20 digits.
-    """
-    if isinstance(v, bytearray | memoryview):
-        v = bytes(v)
-    if isinstance(v, bytes):
-        if len(v) > (_MAX_JSON if v.isascii() else _MAX_WIDE_JSON):
-            raise DecodeError(f"{what}: {len(v)} bytes of JSON exceed the limit")
-        outside = _JSON_STRING_B.sub(b'""', v)
-        inner, brackets = _JSON_INNER_B, (b"[", b"{", b",", b":", b"0")
-    elif isinstance(v, str):
-        if len(v) > _MAX_JSON:
-            raise DecodeError(f"{what}: {len(v)} characters of JSON exceed the limit")
-        outside = _JSON_STRING.sub('""', v)
-        inner, brackets = _JSON_INNER, ("[", "{", ",", ":", "0")
-    else:
-        return v
-    containers = outside.count(brackets[0]) + outside.count(brackets[1])
-    if containers > max_containers:
-        raise DecodeError(f"{what}: more than {max_containers} arrays and objects")
-    if outside.count(brackets[2]) + outside.count(brackets[3]) > max_items:
-        raise DecodeError(f"{what}: more than {max_items} items")
-    for _ in range(max_depth):
-        if not containers:
-            break
-        outside, n = inner.subn(brackets[4], outside)  # innermost containers -> a scalar
-        containers -= n
-        if not n:
-            break
-    if containers:
-        raise DecodeError(f"{what}: nested deeper than {max_depth} or unbalanced")
-    del outside
-    try:
-        text = v.decode("utf-8") if isinstance(v, bytes) else v
-        return json.loads(text, parse_int=_json_int, parse_float=_json_float,
-                          parse_constant=_json_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-        raise DecodeError(f"{what}: not JSON: {str(e)[:80]}") from e
 
 
 class Included(NamedTuple):
@@ -267,23 +117,23 @@ class RoundRecord:
         return cls(
             version=f.version, fragment=f.get("fragment", _fragment, -1, required=True),
             reason=f.text("reason"), included=included, dropped=dropped,
-            hash=f.text("hash", required=True), tokens=f.get("tokens", _nat, None),
-            steps=f.get("steps", _nat, None), scale=f.get("scale", _nonneg, 1.0),
-            seconds=seconds, quorum_wait_s=max(0.0, f.get("quorum_wait_s", _num, 0.0)),
-            grace_wait_s=max(0.0, f.get("grace_wait_s", _num, 0.0)),
-            merge_s=f.get("merge_s", _num, 0.0), syncer=f.text("syncer"),
-            t=f.get("t", _num, None))
+            hash=f.text("hash", required=True), tokens=f.get("tokens", nonneg_int, None),
+            steps=f.get("steps", nonneg_int, None), scale=f.get("scale", _nonneg, 1.0),
+            seconds=seconds, quorum_wait_s=max(0.0, f.get("quorum_wait_s", finite_number, 0.0)),
+            grace_wait_s=max(0.0, f.get("grace_wait_s", finite_number, 0.0)),
+            merge_s=f.get("merge_s", finite_number, 0.0), syncer=f.text("syncer"),
+            t=f.get("t", finite_number, None))
 
 
 def _fragment(v: Any, what: str) -> int:
-    x = _nat(v, what)
+    x = nonneg_int(v, what)
     if x > 9999:
         raise DecodeError(f"{what}: above 9999")
     return x
 
 
 def _nonneg(v: Any, what: str) -> float:
-    x = _num(v, what)
+    x = finite_number(v, what)
     if x < 0:
         raise DecodeError(f"{what}: negative")
     return x
@@ -293,22 +143,22 @@ def _included_row(row: Any, what: str) -> Included:
     if not isinstance(row, list) or len(row) != 4:
         raise DecodeError(f"{what}: a row is not a list of 4")
     entry_id, learner, weight, staleness = row
-    return Included(_typed(entry_id, str, what), _typed(learner, str, what),
-                    _nonneg(_typed(weight, float, what), what),
-                    _nat(_typed(staleness, int, what), what))
+    return Included(typed(entry_id, str, what), typed(learner, str, what),
+                    _nonneg(typed(weight, float, what), what),
+                    nonneg_int(typed(staleness, int, what), what))
 
 
 def _dropped_row(row: Any, what: str) -> tuple[str, Reason]:
     if not isinstance(row, list) or len(row) != 2:
         raise DecodeError(f"{what}: a row is not a list of 2")
-    why = _typed(row[1], str, what)
+    why = typed(row[1], str, what)
     if not why:  # Reason.of("") would read as "other": not what was written
         raise DecodeError(f"{what}: an empty reason")
-    return _typed(row[0], str, what), Reason.of(why)
+    return typed(row[0], str, what), Reason.of(why)
 
 
 def _seconds_item(v: Any, what: str) -> float:
-    return _nonneg(_typed(v, float, what), what)
+    return _nonneg(typed(v, float, what), what)
 
 
 class _Fields:
@@ -325,13 +175,13 @@ class _Fields:
         for k, v in fields.items():
             if isinstance(k, bytes | bytearray | str):
                 try:
-                    self.f[_text(k, "a field name", 64)] = v
+                    self.f[bounded_text(k, "a field name", 64)] = v
                 except DecodeError:
                     pass  # not a field of ours
         self.lenient = lenient
         if "version" not in self.f:
             raise DecodeError("round record without a version")
-        self.version = _nat(self.f["version"], "version")
+        self.version = nonneg_int(self.f["version"], "version")
 
     def _bad(self, what: str, cause: Exception | None = None) -> None:
         if not self.lenient:
@@ -349,14 +199,15 @@ class _Fields:
             return default
 
     def text(self, key: str, required: bool = False) -> str:
-        return self.get(key, _text, "", required)
+        return self.get(key, bounded_text, "", required)
 
     def rows(self, key: str, build, required: bool = False) -> tuple:
         """A list field's rows, each checked and built by `build(row, what)`."""
-        value = self.get(key, functools.partial(_json, max_depth=2, max_containers=_MAX_ITEMS + 1,
-                                                max_items=5 * _MAX_ITEMS), [], required)
-        if not isinstance(value, list) or len(value) > _MAX_ITEMS:
-            self._bad(f"{key} is not a list of at most {_MAX_ITEMS} rows")
+        value = self.get(key, functools.partial(bounded_json, max_depth=2,
+                                                max_containers=MAX_ITEMS + 1,
+                                                max_items=5 * MAX_ITEMS), [], required)
+        if not isinstance(value, list) or len(value) > MAX_ITEMS:
+            self._bad(f"{key} is not a list of at most {MAX_ITEMS} rows")
             return ()
         out = []
         for row in value:
@@ -383,73 +234,6 @@ def read_rounds(r: redis.Redis, fk: FragmentKeys, *, start: str = "-",
         start = "(" + as_text(batch[-1][0])
 
 
-def _typed(v: Any, tp: Any, what: str) -> Any:
-    """`v` checked against the annotation `tp` (int, float, str, bool, None, unions of them,
-    ``list[X]``, ``dict[str, X]``); an int reads as a float where a float is annotated."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _typed(v, arg, what)
-            except DecodeError:
-                pass
-        raise DecodeError(f"{what}: {_short(v)} is not {tp}")
-    if tp is type(None):
-        if v is not None:
-            raise DecodeError(f"{what}: expected null, got {_short(v)}")
-        return None
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise DecodeError(f"{what}: expected a bool, got {_short(v)}")
-        return v
-    if tp is int:
-        if not isinstance(v, int) or isinstance(v, bool) or not -_INT64 <= v < _INT64:
-            raise DecodeError(f"{what}: expected an int, got {_short(v)}")
-        return v
-    if tp is float:
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise DecodeError(f"{what}: expected a number, got {_short(v)}")
-        return _num(v, what)
-    if tp is str:
-        if not isinstance(v, str) or len(v) > _MAX_TEXT:
-            raise DecodeError(f"{what}: expected text of at most {_MAX_TEXT} characters, got "
-                              f"{_short(v)}")
-        return v
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(v, list) or len(v) > _MAX_ITEMS:
-            raise DecodeError(f"{what}: expected a list of at most {_MAX_ITEMS} items, got "
-                              f"{_short(v)}")
-        return [_typed(x, item, what + "[]") for x in v]
-    if origin is dict:
-        key, value = typing.get_args(tp)
-        if not isinstance(v, dict) or len(v) > _MAX_ITEMS:
-            raise DecodeError(f"{what}: expected an object of at most {_MAX_ITEMS} items, got "
-                              f"{_short(v)}")
-        return {_typed(k, key, what + " key"): _typed(x, value, what + "[]")
-                for k, x in v.items()}
-    raise TypeError(f"no decoding of {tp}")  # a record annotated with something new
-
-
-@functools.cache
-def _fields_of(cls) -> dict[str, Any]:
-    """A record's field name -> its (resolved) annotation."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _from_json(cls, raw: Any, what: str):
-    """A record dataclass from its JSON text: known fields only, each checked against its
-    annotation (unknown keys, written by a newer process, are ignored)."""
-    fields = _fields_of(cls)
-    lists = sum(typing.get_origin(tp) in (list, dict) for tp in fields.values())
-    data = _json(raw, what, max_items=lists * _MAX_ITEMS + 1024)  # + the scalar fields
-    if not isinstance(data, dict):
-        raise DecodeError(f"{what}: expected a JSON object")
-    kwargs = {k: _typed(v, fields[k], f"{what}: {k}") for k, v in data.items() if k in fields}
-    return cls(**kwargs)
-
-
 class _JsonRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -460,7 +244,7 @@ class _JsonRecord:
     @classmethod
     def from_json(cls, raw: Any, what: str = ""):
         """Decode; raises DecodeError on anything but a JSON object of this record."""
-        return _from_json(cls, raw, what or cls.__name__)
+        return record_from_json(cls, raw, what or cls.__name__)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from broker.codec import (
+from broker.errors import DecodeError
+from broker.untrusted import (
     M_INT,
     M_NUM,
     MBin,
@@ -28,7 +29,6 @@ from broker.codec import (
     MTuple,
     unpack_checked,
 )
-from broker.errors import DecodeError
 from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
 
 _DTYPES = {"<f4", "<f8", "<i4", "<i8"}

@@ -2,8 +2,8 @@
 
 This module owns every byte layout that crosses a process boundary:
 
-* fragment-stream entries (a learner's outer gradient): plain Redis fields plus one binary
-  ``payload`` field holding :func:`pack_tensors`'s msgpack document;
+* the payload of a fragment-stream entry (a learner's outer gradient,
+  :mod:`broker.entries`): :func:`pack_tensors`'s msgpack document;
 * ZeroMQ multipart messages of merged (global) fragment values (:func:`global_frames`),
   which carry tensor buffers as separate zero-copy frames;
 * snapshots, the same content as one bytes blob for storing in Redis.
@@ -23,7 +23,7 @@ import hashlib
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -47,7 +47,6 @@ from broker.untrusted import (
     unpack_checked,
 )
 from broker.untrusted import short_repr as _r
-from pipeline.contribution import Contribution, Push
 from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
 from pipeline.quant import CODECS, QTensor, data_nbytes, num_blocks
 
@@ -65,55 +64,9 @@ _MAX_TENSORS = MAX_TENSORS  # no model has more, no fragment either
 _MAX_RUN = 64  # broker.keys: a run name is 1-64 characters
 _MAX_HEADER_BYTES = 16 * 2**20
 _MAX_FRAGMENT = MAX_FRAGMENT  # topic() is fixed width: four decimal digits
-_INT_RE = re.compile(rb"[0-9]{1,19}")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
-_ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")
 _HEADER_KEYS = {"v", "run", "fragment", "version", "names", "codecs", "shapes", "blocks", "sha256"}
 _DELTA_HEADER_KEYS = _HEADER_KEYS | {"base", "value"}
-
-
-@dataclass(frozen=True)
-class EntryMeta:
-    """The plain (non-payload) fields of a fragment-stream entry: one contribution.
-
-    ``seconds`` is the learner wall time the contribution's steps took (goodput accounting;
-    None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
-    flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
-    is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
-    0: none, an entry of a version before epochs): a syncer dead-letters a learner's entries
-    of an older epoch than the newest it has seen of that learner. ``chain`` is the step of
-    the first push of the contribution's chain (`pipeline.contribution.Push.chain`; None: an
-    entry of a version before chains).
-    """
-
-    learner: str
-    fragment: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    codec: str
-    # bookkeeping of the run, not of the contribution: equality leaves them out
-    seconds: float | None = field(default=None, compare=False)
-    final: bool = field(default=False, compare=False)
-    epoch: int = field(default=0, compare=False)
-    chain: int | None = field(default=None, compare=False)
-
-    @classmethod
-    def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
-                final: bool = False, epoch: int = 0) -> EntryMeta:
-        """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
-        return cls(learner, push.fragment, push.base_version, push.step, push.steps,
-                   push.tokens, codec, seconds, final, epoch, push.chain)
-
-    def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
-                     nbytes: int = 0) -> Contribution:
-        """The contribution the syncer's state machine merges
-        (:class:`pipeline.contribution.Contribution`)."""
-        return Contribution(self.learner, self.fragment, self.base_version, self.step,
-                            self.steps, self.tokens, dict(tensors), entry_id=entry_id,
-                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch,
-                            chain=self.chain, final=self.final)
 
 
 @dataclass(frozen=True)
@@ -146,7 +99,7 @@ def sha256_hex(*buffers: bytes | memoryview) -> str:
     return h.hexdigest()
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
 
 
@@ -170,7 +123,7 @@ _SNAPSHOT_SCHEMA = MMap({"h": _HEADER_SCHEMA, "t": MList(MBin(), 2 * _MAX_TENSOR
 def _shape_of(raw: object) -> tuple[int, ...]:
     if not isinstance(raw, list | tuple) or len(raw) > _MAX_NDIM:
         raise DecodeError(f"shape must be a list of at most {_MAX_NDIM} ints")
-    if not all(_is_int(d) and 0 <= d <= _MAX_ELEMENTS for d in raw):
+    if not all(is_int(d) and 0 <= d <= _MAX_ELEMENTS for d in raw):
         raise DecodeError(f"bad shape {_r(raw)}")
     shape = tuple(raw)
     if math.prod(shape) > _MAX_ELEMENTS:
@@ -182,7 +135,7 @@ def _layout(codec: object, shape: tuple[int, ...], block: object) -> tuple[int, 
     """Validate codec/block; return (expected data bytes, expected scale bytes)."""
     if not isinstance(codec, str) or codec not in CODECS:
         raise DecodeError(f"unknown codec {_r(codec)}")
-    if not _is_int(block):
+    if not is_int(block):
         raise DecodeError(f"block must be an int, got {type(block).__name__}")
     n = math.prod(shape)
     if codec in _BLOCKED:
@@ -295,7 +248,7 @@ def unpack_tensors(blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[s
     doc = unpack_checked(blob, _PAYLOAD_SCHEMA, "tensor payload")
     if not isinstance(doc, dict) or set(doc) != {"v", "t"}:
         raise DecodeError("tensor payload must be a map with keys 'v' and 't'")
-    if not _is_int(doc["v"]) or doc["v"] != WIRE_VERSION:
+    if not is_int(doc["v"]) or doc["v"] != WIRE_VERSION:
         raise DecodeError(f"unsupported wire version {_r(doc['v'])}")
     if not isinstance(doc["t"], list):
         raise DecodeError("'t' must be a list")
@@ -316,193 +269,6 @@ def unpack_tensors(blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[s
     return out
 
 
-def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, bytes | str | int]:
-    """Build the Redis stream entry of one outer gradient.
-
-    Args:
-        meta: The plain fields.
-        tensors: The fragment's quantised tensors; all must use ``meta.codec``.
-
-    Returns:
-        The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
-        sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
-        ``meta.seconds`` is reported, ``epoch`` when it is not 0 and ``chain`` when it is
-        not None.
-
-    Raises:
-        ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
-    """
-    if meta.codec not in CODECS:
-        raise ValueError(f"unknown codec {meta.codec!r}")
-    if not isinstance(meta.learner, str) or not meta.learner:
-        raise ValueError("learner must be a non-empty str")
-    for name in (*_ENTRY_INT_FIELDS, "epoch"):
-        value = getattr(meta, name)
-        if not _is_int(value) or not 0 <= value < 10**19:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if meta.chain is not None and not (_is_int(meta.chain) and 0 <= meta.chain <= meta.step):
-        raise ValueError(f"chain must be an int from 0 to the step, got {meta.chain!r}")
-    for name, q in tensors.items():
-        if q.codec != meta.codec:
-            raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
-    if meta.seconds is not None and not (isinstance(meta.seconds, int | float)
-                                         and math.isfinite(meta.seconds) and meta.seconds >= 0):
-        raise ValueError(f"seconds must be a finite number >= 0, got {meta.seconds!r}")
-    payload = pack_tensors(tensors)
-    return {
-        "learner": meta.learner,
-        **{field: int(getattr(meta, field)) for field in _ENTRY_INT_FIELDS},
-        "codec": meta.codec,
-        "nbytes": len(payload),
-        "sha256": sha256_hex(payload),
-        "payload": payload,
-        # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
-        **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
-                                            "final": "1" if meta.final else "0"}),
-        **({"epoch": int(meta.epoch)} if meta.epoch else {}),
-        **({} if meta.chain is None else {"chain": int(meta.chain)}),
-    }
-
-
-def _field(fields: Mapping[Any, Any], key: str) -> Any:
-    if key in fields:
-        return fields[key]
-    bkey = key.encode()
-    if bkey in fields:
-        return fields[bkey]
-    raise DecodeError(f"stream entry lacks field {_r(key)}")
-
-
-def _text_field(fields: Mapping[Any, Any], key: str) -> str:
-    value = _field(fields, key)
-    if isinstance(value, bytes | bytearray | memoryview):
-        try:
-            value = bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"field {_r(key)} is not utf-8") from e
-    if not isinstance(value, str) or not value:
-        raise DecodeError(f"field {_r(key)} must be non-empty text")
-    return value
-
-
-def _int_field(fields: Mapping[Any, Any], key: str) -> int:
-    value = _field(fields, key)
-    if _is_int(value):
-        if not 0 <= value < 10**19:  # what entry_fields writes: at most 19 digits
-            raise DecodeError(f"field {_r(key)} out of range")
-        return int(value)
-    if isinstance(value, str):
-        value = value.encode("utf-8", "replace")
-    if not isinstance(value, bytes | bytearray | memoryview):
-        raise DecodeError(f"field {_r(key)} must be a decimal integer")
-    value = bytes(value)
-    if not _INT_RE.fullmatch(value):
-        raise DecodeError(
-            f"field {_r(key)} is not a non-negative decimal integer: {_r(value[:32])}"
-        )
-    return int(value)
-
-
-def peek_key(fields: Mapping[Any, Any]) -> tuple[str, int, int] | None:
-    """An entry's identity (learner, base_version, step) from its plain fields alone, without
-    checking or decoding the payload; None when a field is missing or malformed."""
-    try:
-        return (_text_field(fields, "learner"), _int_field(fields, "base_version"),
-                _int_field(fields, "step"))
-    except DecodeError:
-        return None
-
-
-def _optional(fields: Mapping[Any, Any], key: str) -> Any:
-    try:
-        return _field(fields, key)
-    except DecodeError:
-        return None
-
-
-def _seconds_field(fields: Mapping[Any, Any]) -> float | None:
-    value = _optional(fields, "seconds")
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray | memoryview):
-        if len(value) > 64:  # entry_fields writes "%.6f"
-            raise DecodeError("field 'seconds' is too long")
-        value = bytes(value).decode("ascii", "replace")
-    if isinstance(value, str) and len(value) > 64:
-        raise DecodeError("field 'seconds' is too long")
-    if not isinstance(value, str | int | float) or isinstance(value, bool):
-        raise DecodeError(f"field 'seconds' is not a number: {_r(value)}")
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError) as e:
-        raise DecodeError(f"field 'seconds' is not a number: {_r(value)}") from e
-    if not math.isfinite(seconds) or seconds < 0:
-        raise DecodeError(f"field 'seconds' must be finite and >= 0, got {_r(value)}")
-    return seconds
-
-
-def _flag_field(fields: Mapping[Any, Any], key: str) -> bool:
-    value = _optional(fields, key)
-    if value is None:
-        return False
-    if type(value) in (bytes, str, int) and value in (b"1", "1", 1, b"0", "0", 0):
-        return value in (b"1", "1", 1)
-    raise DecodeError(f"field {_r(key)} must be 0 or 1, got {_r(value)}")
-
-
-def parse_entry(
-    fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES,
-    payload_sha256: str | None = None,
-) -> tuple[EntryMeta, dict[str, QTensor]]:
-    """Decode a Redis stream entry built by :func:`entry_fields`.
-
-    Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
-    Fields beyond the known ones are ignored; ``seconds``, ``final``, ``epoch`` and
-    ``chain`` may be absent (None, no, 0, None).
-
-    Args:
-        fields: The entry's fields.
-        max_bytes: Largest accepted payload.
-        payload_sha256: the payload's hex SHA-256 when the caller already computed it (a
-            syncer hashes a batch of entries on worker threads); None: computed here.
-
-    Returns:
-        The plain fields and the tensors.
-
-    Raises:
-        DecodeError: On a missing or malformed field, a size or checksum mismatch (checked
-            before decoding the payload), a malformed payload, or tensors whose codec
-            differs from the ``codec`` field.
-    """
-    if not isinstance(fields, Mapping):
-        raise DecodeError(f"stream entry must be a mapping, got {type(fields).__name__}")
-    ints = {key: _int_field(fields, key) for key in _ENTRY_INT_FIELDS}
-    meta = EntryMeta(
-        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
-        seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
-        epoch=_int_field(fields, "epoch") if _optional(fields, "epoch") is not None else 0,
-        chain=_int_field(fields, "chain") if _optional(fields, "chain") is not None else None,
-    )
-    if meta.chain is not None and meta.chain > meta.step:
-        raise DecodeError(f"field 'chain' ({meta.chain}) is after the entry's step "
-                          f"({meta.step})")
-    if meta.codec not in CODECS:
-        raise DecodeError(f"unknown codec {_r(meta.codec)}")
-    nbytes = _int_field(fields, "nbytes")
-    sha = _text_field(fields, "sha256")
-    payload = _field(fields, "payload")
-    check_blob(payload, max_bytes, "payload")
-    if len(payload) != nbytes:
-        raise DecodeError(f"payload has {len(payload)} bytes, nbytes field says {nbytes}")
-    if (payload_sha256 or sha256_hex(payload)) != sha.lower():
-        raise DecodeError("payload sha256 mismatch")
-    tensors = unpack_tensors(payload, max_bytes=max_bytes)
-    for name, q in tensors.items():
-        if q.codec != meta.codec:
-            raise DecodeError(f"{_r(name)} uses codec {_r(q.codec)}, entry says {_r(meta.codec)}")
-    return meta, tensors
-
-
 # ---------------------------------------------------------------- global fragments
 
 
@@ -512,7 +278,7 @@ def topic(fragment: int) -> bytes:
     Raises:
         ValueError: If ``fragment`` is not in ``[0, 9999]``.
     """
-    if not _is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
+    if not is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
         raise ValueError(f"fragment must be an int in [0, {_MAX_FRAGMENT}], got {fragment!r}")
     return b"f%04d" % int(fragment)
 
@@ -526,9 +292,9 @@ def _global_parts(
     fragment = int(fragment)
     if not isinstance(run, str) or not run:
         raise ValueError("run must be a non-empty str")
-    if not _is_int(version) or version < 0:
+    if not is_int(version) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
-    if not _is_int(base) or not -1 <= base < version:
+    if not is_int(base) or not -1 <= base < version:
         raise ValueError(f"base must be -1 or a version below {version}, got {base!r}")
     if value and not _SHA_RE.fullmatch(value):
         raise ValueError("value must be a SHA-256 of 64 lowercase hex digits")
@@ -560,14 +326,14 @@ def _parse_header(raw: object) -> GlobalHeader:
     if not isinstance(raw, dict) or set(raw) not in (_HEADER_KEYS, _DELTA_HEADER_KEYS):
         raise DecodeError(f"global header must be a map with keys {sorted(_HEADER_KEYS)} "
                           f"(and base with value, or neither)")
-    if not _is_int(raw["v"]) or raw["v"] != WIRE_VERSION:
+    if not is_int(raw["v"]) or raw["v"] != WIRE_VERSION:
         raise DecodeError(f"unsupported wire version {_r(raw['v'])}")
     run, fragment, version, sha = raw["run"], raw["fragment"], raw["version"], raw["sha256"]
     if not isinstance(run, str) or not run:
         raise DecodeError("run must be a non-empty str")
-    if not _is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
+    if not is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
         raise DecodeError(f"bad fragment {_r(fragment)}")
-    if not _is_int(version) or version < 0:
+    if not is_int(version) or version < 0:
         raise DecodeError(f"bad version {_r(version)}")
     if not isinstance(sha, str) or not _SHA_RE.fullmatch(sha):
         raise DecodeError("sha256 must be 64 lowercase hex digits")
@@ -586,7 +352,7 @@ def _parse_header(raw: object) -> GlobalHeader:
         _layout(codec, shape, block)
     base, value = raw.get("base", -1), raw.get("value", "")
     if "base" in raw:
-        if not _is_int(base) or not -1 <= base < version:
+        if not is_int(base) or not -1 <= base < version:
             raise DecodeError(f"bad base {_r(base)} for version {version}")
         if not isinstance(value, str) or not _SHA_RE.fullmatch(value):
             raise DecodeError("value must be 64 lowercase hex digits")

@@ -1,7 +1,7 @@
 """The records that cross process boundaries, one type each, with their encoding.
 
-A stream entry's plain fields (a contribution) are :class:`broker.codec.EntryMeta`, encoded by
-:func:`broker.codec.entry_fields` and decoded by :func:`broker.codec.parse_entry`. This module
+A stream entry's plain fields (a contribution) are :class:`broker.entries.EntryMeta`, encoded by
+:func:`broker.entries.entry_fields` and decoded by :func:`broker.entries.parse_entry`. This module
 holds the others:
 
 * :class:`RoundRecord` — one closed round, an entry of a fragment's ``:rounds`` stream;

@@ -61,7 +61,7 @@ def _message(run: str, fields: Mapping) -> bytes:
 
 
 def sign(key: bytes, run: str, fields: Mapping) -> str:
-    """The hex signature of an entry's `fields` (as `codec.entry_fields` builds them)."""
+    """The hex signature of an entry's `fields` (as `broker.entries.entry_fields` builds them)."""
     return hmac.new(key, _message(run, fields), hashlib.sha256).hexdigest()
 
 

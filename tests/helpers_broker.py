@@ -1,7 +1,7 @@
 """Shared helpers of the broker-level and syncer-recovery tests (no fixtures, no sleeps-to-wait).
 
 A tiny run configuration, contribution entries built without LearnerCore (quantise a delta,
-`codec.entry_fields` plus the `seconds`/`final` fields the learner adds), polling with a
+`broker.entries.entry_fields` plus the `seconds`/`final` fields the learner adds), polling with a
 deadline, Redis stream inspection, and syncers run as subprocesses or in a thread.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import redis
 
 from broker import codec, registry
-from broker.codec import EntryMeta
+from broker.entries import EntryMeta, entry_fields
 from broker.keys import GROUP, FragmentKeys, RunKeys
 from broker.state import unpack_state
 from broker.streams import FragmentStreams
@@ -87,7 +87,7 @@ def contribution_fields(learner: str, p: int, delta: Mapping[str, np.ndarray], *
                         final: bool = False) -> dict[str, Any]:
     """The fields a learner XADDs for one push (as `workers.learner` builds them)."""
     tensors = {n: quant.quantize(v, codec_name, 64) for n, v in delta.items()}
-    fields = codec.entry_fields(
+    fields = entry_fields(
         EntryMeta(learner, p, base_version, step, steps, tokens, codec_name), tensors)
     fields["seconds"] = f"{seconds:.6f}"
     fields["final"] = "1" if final else "0"

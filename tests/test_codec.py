@@ -15,19 +15,17 @@ from broker import codec
 from broker.codec import (
     MAX_PAYLOAD_BYTES,
     WIRE_VERSION,
-    EntryMeta,
     GlobalHeader,
-    entry_fields,
     global_frames,
     pack_snapshot,
     pack_tensors,
-    parse_entry,
     parse_global_frames,
     sha256_hex,
     topic,
     unpack_snapshot,
     unpack_tensors,
 )
+from broker.entries import EntryMeta, entry_fields, parse_entry
 from broker.errors import DecodeError
 from pipeline.quant import CODECS, QTensor, dequantize, quantize
 

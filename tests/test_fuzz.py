@@ -1,6 +1,6 @@
 """Fuzzing every decoder of bytes that come from Redis, ZeroMQ or a file (untrusted input).
 
-Decoders: stream entries (:func:`codec.parse_entry`), tensor payloads
+Decoders: stream entries (:func:`broker.entries.parse_entry`), tensor payloads
 (:func:`codec.unpack_tensors`), ZeroMQ messages (:func:`codec.parse_global_frames`), snapshots
 (:func:`codec.unpack_snapshot`), the syncer state (:func:`state.unpack_state`), archive files
 (:func:`archive.load_archive`), the JSON records (:class:`records.Heartbeat` …) and round
@@ -42,18 +42,16 @@ from hypothesis import strategies as st
 
 from broker import archive
 from broker.codec import (
-    EntryMeta,
-    entry_fields,
     global_frames,
     pack_snapshot,
     pack_tensors,
-    parse_entry,
     parse_global_frames,
     sha256_hex,
     topic,
     unpack_snapshot,
     unpack_tensors,
 )
+from broker.entries import EntryMeta, entry_fields, parse_entry
 from broker.errors import DecodeError
 from broker.records import (
     Drop,

@@ -634,7 +634,7 @@ def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
     closed as the final flush, takes Θ − lr·share·Δ and leaves the momentum as it was; every
     other round (and every round under "nesterov") takes the Nesterov step. Both syncers are
     the same until the flush. The flag travels in the stream entry."""
-    from broker.codec import EntryMeta
+    from broker.entries import EntryMeta
     from pipeline.syncer import FINAL_FLUSH
 
     outer = OuterConfig(lr=0.7, momentum=0.7)

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import redis
 
-from broker import archive, codec
+from broker import archive
 from broker.archive import ArchiveError, archive_below, archive_entries, load_archive
+from broker.entries import entry_fields, parse_entry
 from broker.keys import RunKeys
 from ops import cli
 from ops.cluster.redis_server import RedisServer
@@ -181,14 +182,14 @@ def test_replay_from_the_archive_alone(finished_run, r, capsys, tmp_path):
 
 def _altered(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
     """The same push with a different (validly encoded and checksummed) delta."""
-    meta, tensors = codec.parse_entry(fields)
+    meta, tensors = parse_entry(fields)
     new = {}
     for name, q in tensors.items():
         values = quant.dequantize(q)
         values = values + np.float32(0.01) * np.sign(values + np.float32(1e-3))
         new[name] = quant.quantize(values.astype(np.float32), q.codec, q.block or 64)
     out = {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
-           for k, v in codec.entry_fields(meta, new).items()}
+           for k, v in entry_fields(meta, new).items()}
     out[b"seconds"], out[b"final"] = fields[b"seconds"], fields[b"final"]
     return out
 

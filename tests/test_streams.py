@@ -20,6 +20,7 @@ from helpers_broker import (
 
 from broker import codec, registry
 from broker.connection import connect
+from broker.entries import EntryMeta, parse_entry
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
 from broker.records import Heartbeat, Merged, SyncerInfo
@@ -78,8 +79,8 @@ def test_entries_are_plain_fields(r, keys, fs, cfg):
     assert int(got[b"nbytes"]) == len(got[b"payload"]) == len(sent["payload"])
     assert got[b"sha256"].decode() == codec.sha256_hex(got[b"payload"])
     assert got[b"final"] == b"0" and float(got[b"seconds"]) == 1.5
-    meta, tensors = codec.parse_entry(got)
-    assert meta == codec.EntryMeta("L0", P, 3, 40, 10, 2560, "fp32")
+    meta, tensors = parse_entry(got)
+    assert meta == EntryMeta("L0", P, 3, 40, 10, 2560, "fp32")
     delta = make_delta(cfg, P, 0)
     assert set(tensors) == set(delta)
     for n, v in delta.items():

@@ -48,6 +48,7 @@ import zmq
 
 from broker import codec, registry, signing
 from broker.connection import OUTAGE, quick
+from broker.entries import EntryMeta, entry_fields
 from broker.errors import BrokerError, DecodeError, Superseded
 from broker.pubsub import CurveClient
 from broker.records import FinalPushes, Heartbeat, LearnerFinal
@@ -505,9 +506,9 @@ class Island:
     def _send(self, push: Push, final: bool = False) -> None:
         if self.poison is not None:  # the poison guard's tests and benchmarks
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
-        meta = codec.EntryMeta.of_push(self.id, push, self.sync.codec_up,
+        meta = EntryMeta.of_push(self.id, push, self.sync.codec_up,
                                        seconds=push.seconds, final=final, epoch=self.epoch)
-        fields = codec.entry_fields(meta, push.payload)
+        fields = entry_fields(meta, push.payload)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
         self.net.push(push.fragment, fields)

@@ -27,6 +27,7 @@ import redis
 
 from broker import archive as archmod
 from broker import codec
+from broker.entries import parse_entry
 from broker.errors import BrokerError, DecodeError
 from broker.ids import as_text
 from broker.keys import FragmentKeys
@@ -126,7 +127,7 @@ def replay_round(core: FragmentSyncer, rec: RoundRecord, inputs: Mapping[str, tu
                "tokens": None, "accepted": False, "refusal": None}
         check.rows.append(row)
         try:
-            meta, tensors = codec.parse_entry(fields, max_bytes=max_bytes)
+            meta, tensors = parse_entry(fields, max_bytes=max_bytes)
         except DecodeError as e:
             row["refusal"] = f"malformed entry: {e}"
             check.bad("decode", f"entry {entry_id}: {e}")

@@ -23,8 +23,8 @@ import redis
 import zmq
 
 from broker import archive, codec, registry, signing
-from broker.codec import EntryMeta
 from broker.connection import OUTAGE, value_limits
+from broker.entries import EntryMeta, parse_entry, peek_key
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import Publisher
@@ -413,7 +413,7 @@ class Syncer:
             f.deferred.append(e)
             return
         try:
-            meta, tensors = codec.parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes,
+            meta, tensors = parse_entry(e.fields, max_bytes=self.bcfg.max_payload_bytes,
                                               payload_sha256=digest)
             if meta.fragment != e.fragment:
                 raise DecodeError(f"entry says fragment {meta.fragment}, stream is {e.fragment}")
@@ -449,7 +449,7 @@ class Syncer:
             f.ack_extra.append(e.entry_id)
             self.stats.dropped += 1
 
-    def _fenced(self, e: Entry, meta: codec.EntryMeta) -> bool:
+    def _fenced(self, e: Entry, meta: EntryMeta) -> bool:
         """Dead-letter an entry of a learner process superseded by a newer one of the same id
         (an older epoch than the newest this syncer has seen of it): two processes running
         as one learner must not both contribute. Not a refusal: the learner id's refusal
@@ -468,7 +468,7 @@ class Syncer:
         """The state machine's deferral rule, judged from the plain fields before parsing: a
         learner several rounds ahead is not re-verified and re-decoded at every close. Anything
         unusual goes the normal way (parse, then the state machine decides)."""
-        key = codec.peek_key(e.fields)
+        key = peek_key(e.fields)
         return key is not None and f.core.waits_for_next_round(key[0], key)
 
     def _claim(self, force: bool = False) -> None:

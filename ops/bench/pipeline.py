@@ -31,6 +31,7 @@ import zmq
 
 from broker import codec, registry, signing
 from broker.connection import connect
+from broker.entries import EntryMeta, entry_fields
 from broker.keys import RunKeys
 from broker.pubsub import Subscriber
 from broker.records import Heartbeat
@@ -68,7 +69,7 @@ def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTenso
 
 def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
           tensors: dict[str, quant.QTensor]) -> dict:
-    return codec.entry_fields(codec.EntryMeta(learner, p, base, step, 10, 10 * 1024,
+    return entry_fields(EntryMeta(learner, p, base, step, 10, 10 * 1024,
                                               cfg.sync.codec_up, seconds=1.0), tensors)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from broker import codec
+from broker.entries import peek_key
 from broker.ids import as_text
 from broker.keys import RunKeys
 from broker.records import Drop, Reason, read_rounds
@@ -54,7 +54,7 @@ def _key_of(r: redis.Redis, keys: RunKeys, p: int, entry_id: str, id_key: IdMap)
     got = r.xrange(keys.fragment(p).frags, entry_id, entry_id)
     if not got:
         return None
-    peek = codec.peek_key(got[0][1])
+    peek = peek_key(got[0][1])
     return None if peek is None else (peek[0], p, peek[1], peek[2])
 
 
@@ -116,7 +116,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
                         guard.add(k)
         for _, f in r.xrange(fk.dlq):
             k = _key_of(r, keys, p, as_text(f.get(b"dlq_source_id", b"")), id_key)
-            if k is None and (peek := codec.peek_key(f)) is not None:
+            if k is None and (peek := peek_key(f)) is not None:
                 k = (peek[0], p, peek[1], peek[2])
             if k is not None:
                 dead.add(k)

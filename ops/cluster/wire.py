@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from broker import codec
+from broker.entries import EntryMeta, entry_fields
 from pipeline.engine import WireSizes
 from pipeline.learner import Push
 from pipeline.syncer import RoundResult
 
 
 def _push_bytes(push: Push, learner: str) -> int:
-    meta = codec.EntryMeta.of_push(learner, push, next(iter(push.payload.values())).codec)
-    fields = codec.entry_fields(meta, push.payload)
+    meta = EntryMeta.of_push(learner, push, next(iter(push.payload.values())).codec)
+    fields = entry_fields(meta, push.payload)
     return sum(len(str(k)) + (len(v) if isinstance(v, bytes | str) else len(str(v)))
                for k, v in fields.items())
 

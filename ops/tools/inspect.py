@@ -6,7 +6,7 @@ millisecond timestamp against Redis ``TIME``), whether it is pending in the ``sy
 group (XPENDING: consumer, delivery count, idle time) and what became of it (``state``: unread,
 pending, merged into round v, dropped by round v with a reason, acknowledged, dead-lettered).
 
-With ``--entry ID --fragment P`` it decodes one entry (``broker.codec.parse_entry``), dequantises
+With ``--entry ID --fragment P`` it decodes one entry (``broker.entries.parse_entry``), dequantises
 every tensor (``pipeline.quant.dequantize``) and prints per tensor its codec, shape, L2 norm,
 min, max and whether every value is finite. Raw payload bytes are never printed.
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from broker.codec import parse_entry
+from broker.entries import parse_entry
 from broker.errors import DecodeError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, FragmentKeys, RunKeys

@@ -1,0 +1,255 @@
+"""Fragment-stream entries: one learner's contribution as Redis stream fields.
+
+The plain fields (:class:`EntryMeta`) plus one binary ``payload`` field holding
+:func:`broker.codec.pack_tensors`'s msgpack document, with its size and SHA-256 checked before
+the payload is decoded (:func:`parse_entry`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.codec import MAX_PAYLOAD_BYTES, is_int, pack_tensors, sha256_hex, unpack_tensors
+from broker.errors import DecodeError
+from broker.untrusted import check_blob
+from broker.untrusted import short_repr as _r
+from pipeline.contribution import Contribution, Push
+from pipeline.quant import CODECS, QTensor
+
+_INT_RE = re.compile(rb"[0-9]{1,19}")
+_ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """The plain (non-payload) fields of a fragment-stream entry: one contribution.
+
+    ``seconds`` is the learner wall time the contribution's steps took (goodput accounting;
+    None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
+    flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
+    is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
+    0: none, an entry of a version before epochs): a syncer dead-letters a learner's entries
+    of an older epoch than the newest it has seen of that learner. ``chain`` is the step of
+    the first push of the contribution's chain (`pipeline.contribution.Push.chain`; None: an
+    entry of a version before chains).
+    """
+
+    learner: str
+    fragment: int
+    base_version: int
+    step: int
+    steps: int
+    tokens: int
+    codec: str
+    # bookkeeping of the run, not of the contribution: equality leaves them out
+    seconds: float | None = field(default=None, compare=False)
+    final: bool = field(default=False, compare=False)
+    epoch: int = field(default=0, compare=False)
+    chain: int | None = field(default=None, compare=False)
+
+    @classmethod
+    def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
+                final: bool = False, epoch: int = 0) -> EntryMeta:
+        """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
+        return cls(learner, push.fragment, push.base_version, push.step, push.steps,
+                   push.tokens, codec, seconds, final, epoch, push.chain)
+
+    def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
+                     nbytes: int = 0) -> Contribution:
+        """The contribution the syncer's state machine merges
+        (:class:`pipeline.contribution.Contribution`)."""
+        return Contribution(self.learner, self.fragment, self.base_version, self.step,
+                            self.steps, self.tokens, dict(tensors), entry_id=entry_id,
+                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch,
+                            chain=self.chain, final=self.final)
+
+
+def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, bytes | str | int]:
+    """Build the Redis stream entry of one outer gradient.
+
+    Args:
+        meta: The plain fields.
+        tensors: The fragment's quantised tensors; all must use ``meta.codec``.
+
+    Returns:
+        The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
+        sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
+        ``meta.seconds`` is reported, ``epoch`` when it is not 0 and ``chain`` when it is
+        not None.
+
+    Raises:
+        ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
+    """
+    if meta.codec not in CODECS:
+        raise ValueError(f"unknown codec {meta.codec!r}")
+    if not isinstance(meta.learner, str) or not meta.learner:
+        raise ValueError("learner must be a non-empty str")
+    for name in (*_ENTRY_INT_FIELDS, "epoch"):
+        value = getattr(meta, name)
+        if not is_int(value) or not 0 <= value < 10**19:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if meta.chain is not None and not (is_int(meta.chain) and 0 <= meta.chain <= meta.step):
+        raise ValueError(f"chain must be an int from 0 to the step, got {meta.chain!r}")
+    for name, q in tensors.items():
+        if q.codec != meta.codec:
+            raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
+    if meta.seconds is not None and not (isinstance(meta.seconds, int | float)
+                                         and math.isfinite(meta.seconds) and meta.seconds >= 0):
+        raise ValueError(f"seconds must be a finite number >= 0, got {meta.seconds!r}")
+    payload = pack_tensors(tensors)
+    return {
+        "learner": meta.learner,
+        **{field: int(getattr(meta, field)) for field in _ENTRY_INT_FIELDS},
+        "codec": meta.codec,
+        "nbytes": len(payload),
+        "sha256": sha256_hex(payload),
+        "payload": payload,
+        # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
+        **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
+                                            "final": "1" if meta.final else "0"}),
+        **({"epoch": int(meta.epoch)} if meta.epoch else {}),
+        **({} if meta.chain is None else {"chain": int(meta.chain)}),
+    }
+
+
+def _field(fields: Mapping[Any, Any], key: str) -> Any:
+    if key in fields:
+        return fields[key]
+    bkey = key.encode()
+    if bkey in fields:
+        return fields[bkey]
+    raise DecodeError(f"stream entry lacks field {_r(key)}")
+
+
+def _text_field(fields: Mapping[Any, Any], key: str) -> str:
+    value = _field(fields, key)
+    if isinstance(value, bytes | bytearray | memoryview):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DecodeError(f"field {_r(key)} is not utf-8") from e
+    if not isinstance(value, str) or not value:
+        raise DecodeError(f"field {_r(key)} must be non-empty text")
+    return value
+
+
+def _int_field(fields: Mapping[Any, Any], key: str) -> int:
+    value = _field(fields, key)
+    if is_int(value):
+        if not 0 <= value < 10**19:  # what entry_fields writes: at most 19 digits
+            raise DecodeError(f"field {_r(key)} out of range")
+        return int(value)
+    if isinstance(value, str):
+        value = value.encode("utf-8", "replace")
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise DecodeError(f"field {_r(key)} must be a decimal integer")
+    value = bytes(value)
+    if not _INT_RE.fullmatch(value):
+        raise DecodeError(
+            f"field {_r(key)} is not a non-negative decimal integer: {_r(value[:32])}"
+        )
+    return int(value)
+
+
+def peek_key(fields: Mapping[Any, Any]) -> tuple[str, int, int] | None:
+    """An entry's identity (learner, base_version, step) from its plain fields alone, without
+    checking or decoding the payload; None when a field is missing or malformed."""
+    try:
+        return (_text_field(fields, "learner"), _int_field(fields, "base_version"),
+                _int_field(fields, "step"))
+    except DecodeError:
+        return None
+
+
+def _optional(fields: Mapping[Any, Any], key: str) -> Any:
+    try:
+        return _field(fields, key)
+    except DecodeError:
+        return None
+
+
+def _seconds_field(fields: Mapping[Any, Any]) -> float | None:
+    value = _optional(fields, "seconds")
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        if len(value) > 64:  # entry_fields writes "%.6f"
+            raise DecodeError("field 'seconds' is too long")
+        value = bytes(value).decode("ascii", "replace")
+    if isinstance(value, str) and len(value) > 64:
+        raise DecodeError("field 'seconds' is too long")
+    if not isinstance(value, str | int | float) or isinstance(value, bool):
+        raise DecodeError(f"field 'seconds' is not a number: {_r(value)}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as e:
+        raise DecodeError(f"field 'seconds' is not a number: {_r(value)}") from e
+    if not math.isfinite(seconds) or seconds < 0:
+        raise DecodeError(f"field 'seconds' must be finite and >= 0, got {_r(value)}")
+    return seconds
+
+
+def _flag_field(fields: Mapping[Any, Any], key: str) -> bool:
+    value = _optional(fields, key)
+    if value is None:
+        return False
+    if type(value) in (bytes, str, int) and value in (b"1", "1", 1, b"0", "0", 0):
+        return value in (b"1", "1", 1)
+    raise DecodeError(f"field {_r(key)} must be 0 or 1, got {_r(value)}")
+
+
+def parse_entry(
+    fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES,
+    payload_sha256: str | None = None,
+) -> tuple[EntryMeta, dict[str, QTensor]]:
+    """Decode a Redis stream entry built by :func:`entry_fields`.
+
+    Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
+    Fields beyond the known ones are ignored; ``seconds``, ``final``, ``epoch`` and
+    ``chain`` may be absent (None, no, 0, None).
+
+    Args:
+        fields: The entry's fields.
+        max_bytes: Largest accepted payload.
+        payload_sha256: the payload's hex SHA-256 when the caller already computed it (a
+            syncer hashes a batch of entries on worker threads); None: computed here.
+
+    Returns:
+        The plain fields and the tensors.
+
+    Raises:
+        DecodeError: On a missing or malformed field, a size or checksum mismatch (checked
+            before decoding the payload), a malformed payload, or tensors whose codec
+            differs from the ``codec`` field.
+    """
+    if not isinstance(fields, Mapping):
+        raise DecodeError(f"stream entry must be a mapping, got {type(fields).__name__}")
+    ints = {key: _int_field(fields, key) for key in _ENTRY_INT_FIELDS}
+    meta = EntryMeta(
+        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
+        seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
+        epoch=_int_field(fields, "epoch") if _optional(fields, "epoch") is not None else 0,
+        chain=_int_field(fields, "chain") if _optional(fields, "chain") is not None else None,
+    )
+    if meta.chain is not None and meta.chain > meta.step:
+        raise DecodeError(f"field 'chain' ({meta.chain}) is after the entry's step "
+                          f"({meta.step})")
+    if meta.codec not in CODECS:
+        raise DecodeError(f"unknown codec {_r(meta.codec)}")
+    nbytes = _int_field(fields, "nbytes")
+    sha = _text_field(fields, "sha256")
+    payload = _field(fields, "payload")
+    check_blob(payload, max_bytes, "payload")
+    if len(payload) != nbytes:
+        raise DecodeError(f"payload has {len(payload)} bytes, nbytes field says {nbytes}")
+    if (payload_sha256 or sha256_hex(payload)) != sha.lower():
+        raise DecodeError("payload sha256 mismatch")
+    tensors = unpack_tensors(payload, max_bytes=max_bytes)
+    for name, q in tensors.items():
+        if q.codec != meta.codec:
+            raise DecodeError(f"{_r(name)} uses codec {_r(q.codec)}, entry says {_r(meta.codec)}")
+    return meta, tensors

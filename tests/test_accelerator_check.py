@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~28 s: the full tier (CI)
 @pytest.mark.timeout(600)
 def test_the_accelerator_check_runs_at_its_cpu_size(tmp_path):
     if shutil.which("redis-server") is None:

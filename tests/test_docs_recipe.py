@@ -55,6 +55,7 @@ def test_the_recipe_is_what_the_readme_shows():
     assert steps[0][1].startswith("diloco secure init") and "bundle" in steps[5][1]
 
 
+@pytest.mark.slow  # ~26 s: the full tier (CI); the parse of the recipe stays in the default
 def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
     redis_port, pub_port = free_port(), free_port()
     cfg = tiny_config(learners=2, steps=40, sync={"codec_up": "int4", "codec_down": "int4",

@@ -352,6 +352,7 @@ def test_without_a_compiler_or_when_turned_off_xla_runs_the_definition(tmp_path)
     assert "the model's fused operations run as XLA's" in none["stderr"]
 
 
+@pytest.mark.slow  # ~21 s of compiling for three targets: the full tier (CI)
 @pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler on this machine")
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
 def test_the_kernels_run_only_where_they_are_built_for_512_bit_vectors(tmp_path):
@@ -479,6 +480,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~21 s of compiling: the full tier (CI)
 @pytest.mark.timeout(900)  # the sanitized build, on a machine whose cache is empty
 def test_the_kernels_run_clean_under_the_address_and_undefined_behaviour_sanitizers(
         sanitizer):

@@ -105,6 +105,7 @@ def test_every_project_module_resolves_to_the_installed_package(installed):
     assert (examples / "own_loop.py").is_file() and (examples / "user_model.py").is_file()
 
 
+@pytest.mark.slow  # 70-80 s: the full tier (CI) runs every command from the installation
 @pytest.mark.timeout(1200)  # the package built and installed, then every command
 def test_every_command_runs_from_the_installation(installed, redis_url):
     bin_dir, env, work, _ = installed

@@ -227,6 +227,7 @@ def test_a_thread_pool_gives_the_same_bits(monkeypatch):
     assert kernels._groups([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
 
 
+@pytest.mark.slow  # ~10 s of compiling: the full tier (CI)
 @pytest.mark.timeout(900)  # the sanitized builds, on a machine whose cache is empty
 def test_the_kernels_run_clean_under_the_address_and_undefined_behaviour_sanitizers(sanitizer):
     """This file's tests of the merge kernels (every codec, sizes with partial blocks and

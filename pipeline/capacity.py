@@ -40,7 +40,9 @@ class Limits:
 
 
 def value_bytes(cfg: RunConfig, n: int) -> dict[str, int]:
-    """The bytes of each value a fragment of `n` values puts on a path (payloads only)."""
+    """The bytes of each value a fragment of `n` values puts on a path (payloads only):
+    ``publish`` is the largest published value (the first, under the delta down link),
+    ``publish_steady`` every one after it."""
     s = cfg.effective_sync()
 
     def coded(codec: str) -> int:
@@ -49,7 +51,7 @@ def value_bytes(cfg: RunConfig, n: int) -> dict[str, int]:
 
     snapshot = 4 * n if s.down_delta else coded(s.codec_down)
     return {"push": coded(s.codec_up), "publish": max(coded(s.codec_down), snapshot),
-            "snapshot": snapshot, "state": 8 * n}
+            "publish_steady": coded(s.codec_down), "snapshot": snapshot, "state": 8 * n}
 
 
 def _problems(cfg: RunConfig, n: int, limits: Limits) -> list[tuple[str, int, int, str]]:

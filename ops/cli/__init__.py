@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import argparse
 
-from ops.cli import bench, chaos, goodput, lab, roles, run, security, tools
+from ops.cli import bench, chaos, goodput, lab, plan, roles, run, security, tools
 from workers import native
 from workers.common import apply_environment
 from workers.heap import keep_freed_memory
 
 # In the order they appear in --help.
-_COMMANDS = (run, roles, tools, security, chaos, lab, bench, goodput)
+_COMMANDS = (run, roles, tools, security, chaos, lab, bench, goodput, plan)
 # The compiled kernels are installed only where they run: the merge kernels in the commands
 # that merge in this process (building them on first use; `replay` only loads a library already
 # built, else merges with numpy: the same bits), the fused step kernels in those that train
-# or evaluate a model here. The syncer and learner roles install what they use themselves;
-# status, inspect, export, plot and the rest never run a compiler.
+# or evaluate a model here (`plan` measures the syncer's merge with the library the syncer
+# would load). The syncer and learner roles install what they use themselves; status,
+# inspect, export, plot and the rest never run a compiler.
 _MERGE = {"run", "chaos", "lab", "bench"}
-_MERGE_IF_BUILT = {"replay"}
+_MERGE_IF_BUILT = {"replay", "plan"}
 _MODEL = {"run", "eval", "sample", "chaos", "lab", "bench"}
 
 

@@ -1,0 +1,100 @@
+"""`diloco plan`: its byte counts are the wire codec's, its costs are measured on the real
+syncer and learner arithmetic, and its command line refuses bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from broker.codec import pack_tensors
+from ops.cli import main
+from ops.cli.plan import _count
+from ops.tools.plan import measure
+from pipeline import quant
+from pipeline.capacity import value_bytes
+from pipeline.config import RunConfig, override
+from pipeline.plan import Costs, Workload, even_fragments, plan
+
+PAPER = Workload(fragment_values=even_fragments(12 * 10**9, 64), learners=8, step_s=3.4,
+                 link_gbps=5.0, syncer_link_gbps=5.0, tokens_per_step=2**20)
+FREE = Costs(0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 1 << 16])
+def test_the_planned_push_is_the_bytes_the_codec_writes(codec, n):
+    cfg = override(RunConfig(), **{"sync.codec_up": codec})
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    q = quant.quantize(x, codec, cfg.sync.quant_block)
+    payload = pack_tensors({"w": q})
+    planned = value_bytes(cfg, n)["push"]
+    assert planned == quant.payload_nbytes(q)
+    assert 0 <= len(payload) - planned < 128  # msgpack's framing: names, shapes, codec
+
+
+def test_the_papers_setting_and_what_a_quorum_changes():
+    cfg = override(RunConfig(), **{"sync.fragments": 64})
+    p = plan(cfg, PAPER, FREE)
+    # data parallel: a ring all-reduce of fp32 gradients, 2·7/8·4·12e9 bytes per 3.4 s step
+    assert p["wire"]["ring_allreduce_bytes_per_s"] * 8 / 1e9 == pytest.approx(197.65, abs=0.01)
+    # int4 up: half a byte a value and a 4-byte scale per block of 64, once per H = 100 steps
+    up = 12e9 * (0.5 + 4 / 64) / (100 * 3.4)
+    assert p["wire"]["up_bytes_per_s"] == pytest.approx(up, rel=1e-6)
+    # K = 1: every push can close a round, so up to M publishes per fragment per H steps
+    assert p["wire"]["down_bytes_per_s"] == pytest.approx(8 * up, rel=1e-6)
+    k4 = plan(override(cfg, **{"sync.quorum": 4}), PAPER, FREE)
+    assert k4["wire"]["down_bytes_per_s"] == pytest.approx(2 * up, rel=1e-6)
+    assert k4["wire"]["vs_ring_allreduce"] == pytest.approx(
+        p["wire"]["vs_ring_allreduce"] * 4, rel=1e-6)
+    # the delta down link keeps an fp32 snapshot of every version a stale push may name
+    snapshots = (4 + 20 + 1 + 1) * 4 * 12e9
+    assert p["memory"]["redis_bytes"] > snapshots
+    assert "the link" in p["holds_training_back"]  # the syncer's 5 Gbit/s carries 8 × down
+
+
+def test_more_syncers_share_the_cores_and_the_memory():
+    cfg = override(RunConfig(), **{"sync.fragments": 64})
+    costs = Costs(1e-9, 2e-9, 0.0, 0.0)
+    one = plan(cfg, PAPER, costs)
+    four = plan(cfg, Workload(**{**PAPER.__dict__, "syncers": 4}), costs)
+    assert four["syncer"]["cores"] == pytest.approx(one["syncer"]["cores"])
+    assert four["syncer"]["cores_per_syncer"] == pytest.approx(one["syncer"]["cores"] / 4)
+    assert four["memory"]["syncer_bytes"] == pytest.approx(one["memory"]["syncer_bytes"] / 4)
+
+
+def test_the_costs_are_measured_on_the_real_arithmetic():
+    costs = measure(RunConfig(), n=1 << 16, repeats=2)
+    for name, value in costs.__dict__.items():
+        assert 0 < value < 1e-6, (name, value)  # seconds per value: nanoseconds, not more
+
+
+def test_counts_read_as_people_write_them():
+    assert [_count(t) for t in ("300M", "12B", "3e8", "1.5k", "7")] == [
+        300 * 10**6, 12 * 10**9, 3 * 10**8, 1500, 7]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "--step-s", "1", "--params", "12X"], "is not a count"),
+    (["plan", "--step-s", "0", "--params", "1M"], "is not a positive number"),
+    (["plan", "--step-s", "1", "--params", "1M", "--syncers", "0"], "--syncers"),
+    (["plan", "--step-s", "1", "--params", "1M", "--set", "sync.fragments=0"],
+     "sync.fragments"),
+])
+def test_bad_input_is_one_line(argv, says, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusal of a flag's value
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and says in err[-1], err
+
+
+def test_the_command_prints_the_plan_as_json(capsys):
+    assert main(["plan", "--step-s", "0.5", "--params", "20M", "--learners", "4",
+                 "--measure-values", "65536", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["inputs"]["params"] == 20 * 10**6 and got["inputs"]["fragments"] == 4
+    assert got["syncer"]["cores"] > 0 and got["memory"]["learner_bytes"] == pytest.approx(
+        20 * 20e6 + 4 * 5e6)

@@ -139,7 +139,8 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
       the values of the last `max_staleness` + 1 versions (stale pushes are anchored on them:
       4 B each) and the published value being encoded (4 B);
     * Redis, per fragment: the stream's entries until trimmed (`keep_rounds` rounds, at least
-      the rounds since a checkpoint, of at most one push per learner each), one
+      the rounds since a checkpoint, and the open one, of at most one push per learner each,
+      and up to two pushes per learner not yet read), one
       snapshot per version a stale push may still name (`max_staleness` + the rounds since a
       checkpoint), the latest value, and the checkpoint (Θ and momentum: 8 B a value).
     """
@@ -148,13 +149,18 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     learner = 20 * w.params + 4 * n_max
     own = [w.fragment_values[i::w.syncers] for i in range(w.syncers)]  # fragments dealt round-robin
     syncer_each = max((12 + 4 * (s.max_staleness + 1) + 4) * sum(part) for part in own)
-    entries = max(b.keep_rounds, b.checkpoint_rounds) * w.learners  # a round: ≤ 1 per learner
+    # the rounds kept and the open one (at most one push per learner each), and up to two
+    # pushes per learner not yet read (its last one and, at the end, its final flush)
+    entries = (max(b.keep_rounds, b.checkpoint_rounds) + 3) * w.learners
     versions = s.max_staleness + b.checkpoint_rounds + 1
-    redis = sum(entries * value_bytes(cfg, n)["push"] +
-                (versions + 1) * value_bytes(cfg, n)["snapshot"] + 8 * n
-                for n in w.fragment_values)
+    parts = {"redis_entries_bytes": sum(entries * value_bytes(cfg, n)["push"]
+                                        for n in w.fragment_values),
+             "redis_snapshots_bytes": sum((versions + 1) * value_bytes(cfg, n)["snapshot"]
+                                          for n in w.fragment_values),
+             "redis_checkpoints_bytes": sum(8 * n for n in w.fragment_values)}
+    redis = sum(parts.values())
     return {"learner_bytes": float(learner), "syncer_bytes": float(syncer_each),
-            "redis_bytes": float(redis),
+            "redis_bytes": float(redis), **{k: float(v) for k, v in parts.items()},
             "redis_bytes_during_aof_rewrite": 2.0 * redis}
 
 
@@ -213,9 +219,12 @@ def format_plan(p: dict[str, dict]) -> list[str]:
         f"learner data path     {le['share_of_step']:.2%} of a step (push "
         f"{le['push_s_largest']:.3f} s, apply {le['apply_s_largest']:.3f} s)",
         f"memory                learner {_human(me['learner_bytes'], 'B')} + activations, "
-        f"syncer {_human(me['syncer_bytes'], 'B')} each, Redis "
-        f"{_human(me['redis_bytes'], 'B')} ({_human(me['redis_bytes_during_aof_rewrite'], 'B')}"
-        f" during an AOF rewrite)",
+        f"syncer {_human(me['syncer_bytes'], 'B')} each",
+        f"Redis                 {_human(me['redis_bytes'], 'B')} "
+        f"({_human(me['redis_bytes_during_aof_rewrite'], 'B')} during an AOF rewrite): "
+        f"entries {_human(me['redis_entries_bytes'], 'B')} (broker.keep_rounds), snapshots "
+        f"{_human(me['redis_snapshots_bytes'], 'B')} (sync.max_staleness, "
+        f"broker.checkpoint_rounds), checkpoints {_human(me['redis_checkpoints_bytes'], 'B')}",
     ]
     if "bytes_per_token" in wr:
         rows.insert(4, f"bytes per token       {wr['bytes_per_token']:.4f}")

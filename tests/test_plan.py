@@ -98,3 +98,74 @@ def test_the_command_prints_the_plan_as_json(capsys):
     assert got["inputs"]["params"] == 20 * 10**6 and got["inputs"]["fragments"] == 4
     assert got["syncer"]["cores"] > 0 and got["memory"]["learner_bytes"] == pytest.approx(
         20 * 20e6 + 4 * 5e6)
+
+
+def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redis_url):
+    """A real run (a syncer and two learners as processes) sampled while it runs: the peak of
+    each kind of value Redis holds per fragment against `pipeline.plan.memory`'s terms (the
+    snapshots of every version a stale push may name are the largest; with small
+    `keep_rounds` and `checkpoint_rounds` the run reaches their steady state quickly)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import redis
+
+    from broker.keys import RunKeys
+    from pipeline import config as cfgmod
+    from pipeline.fragments import fragment_sizes, partition
+    from pipeline.plan import memory
+    from pipeline.task import task_of
+
+    cfg = cfgmod.from_dict({
+        "model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"max_bytes": 600_000, "eval_batches": 2},
+        "sync": {"fragments": 2, "sync_every": 4},
+        "broker": {"keep_rounds": 10, "checkpoint_rounds": 8}, "learners": 2, "steps": 160})
+    (tmp_path / "run.toml").write_text(cfgmod.dumps_toml(cfg))
+    task = task_of(cfg)
+    shapes = task.param_shapes()
+    sizes = fragment_sizes(shapes, partition(shapes, 2, task.is_embedding))
+    keys = RunKeys("held")
+    r = redis.Redis.from_url(redis_url)
+    peak = {"sent": 0, "entries": 0, "state": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            held = {"sent": 0, "entries": 0, "state": 0}
+            for p in range(2):
+                fk = keys.fragment(p)
+                held["sent"] += sum(r.strlen(k) for k in r.scan_iter(fk.sent(0)[:-1] + "*"))
+                held["sent"] += r.strlen(fk.global_)
+                held["entries"] += r.xlen(fk.frags) * value_bytes(cfg, sizes[p])["push"]
+                held["state"] += r.strlen(fk.state)
+            for k, v in held.items():
+                peak[k] = max(peak[k], v)
+            time.sleep(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ops.cli", "run", "--config", str(tmp_path / "run.toml"),
+             "--redis-url", redis_url, "--run", "held", "--out", str(tmp_path / "runs"),
+             "--json", "--quiet"], capture_output=True, text=True, timeout=240)
+    finally:
+        stop.set()
+        t.join()
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = cfg.effective_sync()
+    entries = (max(10, 8) + 3) * 2
+    versions = s.max_staleness + 8 + 1 + 1  # the :sent:<v> kept and :global
+    planned = {"sent": sum(versions * value_bytes(cfg, n)["snapshot"] for n in sizes),
+               "entries": sum(entries * value_bytes(cfg, n)["push"] for n in sizes),
+               "state": sum(8 * n for n in sizes)}
+    total = memory(cfg, Workload(tuple(sizes), 2, 0.1, 10.0, 10.0))["redis_bytes"]
+    assert total == pytest.approx(sum(planned.values()))
+    # the plan against the run's peak, within 25 % (the snapshots' headers: a few hundred
+    # bytes; the entries: a syncer that falls behind, as it can on 2 shared cores, keeps more)
+    assert peak["state"] == pytest.approx(planned["state"], rel=0.01)
+    for what in ("sent", "entries"):
+        assert peak[what] == pytest.approx(planned[what], rel=0.25), (what, peak, planned)

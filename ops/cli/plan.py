@@ -54,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the syncers' link, all of them together (default: --link-gbps)")
     p.add_argument("--syncers", type=int, default=1, help="syncer processes (default 1)")
     p.add_argument("--tokens-per-step", type=_count,
-                   help="tokens a learner trains on per step (bytes per token; default: the "
-                   "configured batch × sequence length)")
+                   help="tokens a learner trains on per step, for bytes per token (default: "
+                   "the configured batch × sequence length, without --params)")
     p.add_argument("--measure-values", type=_count, default=None,
                    help="fragment size the costs are measured on (default 2M values)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,7 +76,7 @@ def _fragments(cfg: cfgmod.RunConfig, params: int | None) -> tuple[int, ...]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ops.tools.plan import MEASURE_VALUES, measure
+    from ops.tools import plan as planner
     from pipeline.plan import Workload, format_plan, fragments_of, plan
 
     try:
@@ -86,12 +86,15 @@ def _plan(args: argparse.Namespace) -> int:
         fragments = fragments_of(_fragments(cfg, args.params))
     except (cfgmod.ConfigError, ValueError) as e:
         return fail(str(e))
-    tokens = args.tokens_per_step or cfg.inner.batch_size * cfg.model.seq_len
+    # bytes per token: of the tokens given, or of the configured model's batch when it is the
+    # model planned (a --params model's batch is not the configuration's)
+    tokens = args.tokens_per_step or (
+        0 if args.params else cfg.inner.batch_size * cfg.model.seq_len)
     w = Workload(fragment_values=fragments, learners=cfg.learners, step_s=args.step_s,
                  link_gbps=args.link_gbps,
                  syncer_link_gbps=args.syncer_link_gbps or args.link_gbps,
                  tokens_per_step=tokens, syncers=args.syncers)
-    costs = measure(cfg, args.measure_values or MEASURE_VALUES)
+    costs = planner.measure(cfg, args.measure_values or planner.MEASURE_VALUES)
     result = plan(cfg, w, costs)
     if args.json:
         print_json(result)

@@ -273,6 +273,7 @@ class Heartbeat(_JsonRecord):
     # syncer endpoint → why its CURVE handshake fails (broker.pubsub.Subscriber): empty when
     # every handshake succeeds
     handshake_failures: dict[str, str] = field(default_factory=dict)
+    sig: str = ""  # the learner's signature (broker/signing.py), when it signs
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,10 @@ class SyncerInfo(_JsonRecord):
     quorum_wait_s: float = 0.0
     grace_wait_s: float = 0.0
     sync_time_s: float = 0.0
+    # signed runs: the syncer verifies learners' heartbeats; these are the learners whose
+    # heartbeat its key signs (`diloco status` counts only those as live)
+    signed: bool = False
+    verified: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

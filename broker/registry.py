@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -110,11 +111,14 @@ def check_config(r: redis.Redis, keys: RunKeys, run_hash: str) -> None:
 
 
 def heartbeat(r: redis.Redis, keys: RunKeys, learner: str, info: Heartbeat, ttl_s: float,
-              pipe: redis.client.Pipeline | None = None) -> None:
-    """Refresh the learner's TTL key and its heartbeat record (stamped with the time now)."""
+              pipe: redis.client.Pipeline | None = None,
+              sign: Callable[[Heartbeat], Heartbeat] | None = None) -> None:
+    """Refresh the learner's TTL key and its heartbeat record (stamped with the time now,
+    then signed by `sign` in signed runs: syncers count only heartbeats they can verify)."""
     p = pipe or r.pipeline(transaction=False)
     p.set(keys.heartbeat(learner), b"1", px=int(ttl_s * 1000))
-    p.hset(keys.learners, learner, dataclasses.replace(info, t=time.time()).to_json())
+    rec = dataclasses.replace(info, t=time.time())
+    p.hset(keys.learners, learner, (sign(rec) if sign is not None else rec).to_json())
     if pipe is None:
         p.execute()
 

@@ -892,6 +892,8 @@ def ref_value(v: Any, tp: Any) -> tuple[bool, Any]:
         return False, None
     if tp is type(None):
         return v is None, None
+    if tp is bool:
+        return type(v) is bool, v
     if tp is int:
         return _int(v, -INT64), v
     if tp is float:

@@ -248,6 +248,18 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         status = _cli("status", "--run", "sec", "--json", "--redis-url-file",
                       str(tmp_path / "acl" / "reader.url"))
         assert status.returncode == 0, status.stderr[-2000:]
+        # the ghosts' heartbeats (written with the learner credential, no learner's key) are
+        # live but not counted: the syncer verifies heartbeats and says whose it verified
+        shown = json.loads(status.stdout.strip().splitlines()[-1])
+        assert shown["unverified_learners"] == ["g1", "g2", "g3"], shown
+        assert not set(shown["live_learners"]) & {"g1", "g2", "g3"}
+        assert all(shown["learners"][n]["verified"] for n in ("L0", "L1", "L2"))
+        assert "not signed" in (tmp_path / "syncer.log").read_text() or "does not sign" in (
+            tmp_path / "syncer.log").read_text()
+        plain = _cli("status", "--run", "sec", "--redis-url-file",
+                     str(tmp_path / "acl" / "reader.url"))
+        assert "3 more with a heartbeat their learner's key does not sign" in plain.stdout, \
+            plain.stdout
         finals = registry.learner_final_reports(connect(url["reader"]), RunKeys("sec"))
         assert sorted(finals) == ["L0", "L1", "L2", "g1", "g2", "g3"]  # ghosts: ignored
         finals = {n: f for n, f in finals.items() if n.startswith("L")}

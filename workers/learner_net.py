@@ -27,7 +27,7 @@ import numpy as np
 import redis
 import zmq
 
-from broker import codec, registry
+from broker import codec, registry, signing
 from broker.connection import OUTAGE
 from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
@@ -185,7 +185,8 @@ class LearnerNet(threading.Thread):
                     if self._superseded():
                         return
                     registry.heartbeat(self.ctx.r, self.ctx.keys, self.id, Heartbeat(
-                        **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s)
+                        **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s,
+                        sign=self._sign_heartbeat if self.sign_key is not None else None)
                     next_hb = now + self.bcfg.heartbeat_s
                 self._send_pushes()
                 if self.stop_event.is_set():  # superseded: nothing more, not even a repair
@@ -206,6 +207,10 @@ class LearnerNet(threading.Thread):
                     log.warning("%s: Redis unreachable (%s); training on, retrying", self.id, e)
                 next_ep = now + 0.5
             self._receive(timeout_ms=20)
+
+    def _sign_heartbeat(self, rec: Heartbeat) -> Heartbeat:
+        assert self.sign_key is not None
+        return signing.sign_record(self.sign_key, self.ctx.keys.run, "heartbeat", self.id, rec)
 
     def _stats_info(self) -> dict:
         s = self.stats

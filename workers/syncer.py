@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -137,6 +138,7 @@ class Syncer:
         self.verifier = signing.Verifier(cfg.sign_keys) if cfg.sign_keys else None
         self.frags: dict[int, _Frag] = {}
         self.live: frozenset[str] = frozenset()
+        self._unverified_seen: set[str] = set()
         self.step_time_s = 1.0
         self.stats = SyncerStats()
         self.phase = "starting"  # → "standing by" (another syncer holds a lease) → "active"
@@ -312,6 +314,15 @@ class Syncer:
             return False
         return set(self.cfg.fragments or self.sizes) <= self._closed()
 
+    def _note_unverified(self, names: Iterable[str]) -> None:
+        """A warning, once per learner id, for a live heartbeat its learner's key does not
+        sign: a process with a learner credential but not that learner's signing key."""
+        for name in sorted(set(names) - self._unverified_seen):
+            self._unverified_seen.add(name)
+            log.warning("learner %r has a live heartbeat its signing key does not sign: not "
+                        "counted (a process with a learner credential and no key of its own?)",
+                        name[:64])
+
     def _verified(self, reports: dict, kind: str) -> dict:
         """With signed contributions on, the end-of-run reports signed by their learner's
         key (a learner credential can write any field of the shared ``done`` hash)."""
@@ -361,7 +372,9 @@ class Syncer:
             last_reason=st.last_reason, merged=st.merged, dropped=st.dropped,
             dead_lettered=st.dead_lettered, quorum_wait_s=st.quorum_wait_s,
             grace_wait_s=st.grace_wait_s, sync_time_s=max(
-                (f.core.sync_time_s for f in self.frags.values()), default=0.0))
+                (f.core.sync_time_s for f in self.frags.values()), default=0.0),
+            signed=self.verifier is not None,
+            verified=sorted(self.known) if self.verifier is not None else [])
 
     # -- entries ---------------------------------------------------------------------------------
 
@@ -505,9 +518,11 @@ class Syncer:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
             self.live = registry.live_learners(self.ctx.r, self.ctx.keys)
             recs = registry.learner_records(self.ctx.r, self.ctx.keys)
-            if self.verifier is not None:  # only learners with keys count (no ghosts)
-                self.live = frozenset(n for n in self.live if self.verifier.knows(n))
-                recs = {n: rec for n, rec in recs.items() if self.verifier.knows(n)}
+            if self.verifier is not None:  # only heartbeats signed by their learner count
+                recs = {n: rec for n, rec in recs.items()
+                        if self.verifier.record_ok(self.ctx.keys.run, "heartbeat", n, rec)}
+                self._note_unverified(self.live - set(recs))
+                self.live = frozenset(n for n in self.live if n in recs)
             self.known = frozenset(recs)
             self.declared = {n: rec.max_tokens_per_step for n, rec in recs.items()
                              if rec.max_tokens_per_step > 0}

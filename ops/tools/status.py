@@ -14,7 +14,7 @@ from broker import registry
 from broker.errors import DecodeError
 from broker.ids import as_text
 from broker.keys import GROUP, RunKeys
-from broker.records import RoundRecord
+from broker.records import RoundRecord, SyncerInfo
 from workers.common import open_run
 
 STATES = ("training", "finished", "restarting", "gone")  # of a learner, in a progress snapshot
@@ -33,16 +33,32 @@ def _number(v: Any) -> float | None:
     return float(v)
 
 
+def verified_live(live: Iterable[str], syncers: Mapping[str, SyncerInfo]
+                  ) -> tuple[frozenset[str], frozenset[str]]:
+    """(live learners that count, live learners that do not): in a signed run (a syncer
+    verifies heartbeats, `SyncerInfo.signed`) only those whose heartbeat a syncer verified
+    count; the rest are processes with a learner credential but not that learner's key."""
+    live = frozenset(live)
+    signed = [rec for rec in syncers.values() if rec.signed]
+    if not signed:
+        return live, frozenset()
+    verified = frozenset(n for rec in signed for n in rec.verified)
+    return live & verified, live - verified
+
+
 def collect(redis_url: str, run: str) -> dict:
     """Everything `status` shows, as plain data (the stable `--json` output)."""
     ctx = open_run(redis_url, run, wait_s=0, verify=False)
     r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
-    live = registry.live_learners(r, keys)
+    syncers = registry.syncer_records(r, keys)
+    live, unverified = verified_live(registry.live_learners(r, keys), syncers)
+    signed = any(rec.signed for rec in syncers.values())
     members = registry.syncer_members(r, keys)
     learners = {}
     finals = registry.learner_final_reports(r, keys)
     for name, hb in sorted(registry.learner_records(r, keys).items()):
         learners[name] = {"live": name in live, "finished": name in finals,
+                          "verified": (name not in unverified) if signed else None,
                           "last_heartbeat_age_s": time.time() - hb.t,
                           **{k: getattr(hb, k) for k in (
                               "step", "tokens", "tokens_per_s", "step_s", "versions",
@@ -82,9 +98,9 @@ def collect(redis_url: str, run: str) -> dict:
                               for f, v in zip(fragments, versions, strict=False)]
     return {
         "run": run, "config_hash": run_hash, "mode": cfg.mode, "learners_expected": cfg.learners,
-        "live_learners": sorted(live), "learners": learners,
-        "syncers": {k: {**v.to_dict(), "member": k in members}
-                    for k, v in registry.syncer_records(r, keys).items()},
+        "live_learners": sorted(live), "unverified_learners": sorted(unverified),
+        "learners": learners,
+        "syncers": {k: {**v.to_dict(), "member": k in members} for k, v in syncers.items()},
         # the syncers sharing the fragments now (started without --fragments, alive)
         "syncer_members": members,
         "fragments": fragments,
@@ -97,8 +113,13 @@ def render(rep: dict) -> str:
     lines = [f"run {rep['run']} ({rep['mode']}, config {rep['config_hash']}): "
              f"{len(rep['live_learners'])}/{rep['learners_expected']} learners live, "
              f"{rep['rounds']} rounds"]
+    if rep.get("unverified_learners"):
+        lines[0] += (f"; {len(rep['unverified_learners'])} more with a heartbeat their "
+                     f"learner's key does not sign (not counted): "
+                     f"{', '.join(rep['unverified_learners'])}")
     for name, rec in rep["learners"].items():
-        state = "done" if rec.get("finished") else "live" if rec["live"] else "DOWN"
+        state = ("done" if rec.get("finished") else "live" if rec["live"] else
+                 "UNVERIFIED" if name in rep.get("unverified_learners", ()) else "DOWN")
         lines.append(f"  {name:10s} {state:4s} step {rec.get('step')} "
                      f"{(rec.get('tokens_per_s') or 0):,.0f} tok/s versions {rec.get('versions')} "
                      f"lag {rec.get('version_lag')} "
@@ -207,11 +228,14 @@ def snapshot(r: redis.Redis, keys: RunKeys, *, expected_learners: int, total_ste
     Returns:
         The snapshot dict; the caller may add ``eval_loss``.
     """
+    syncers = registry.syncer_records(r, keys)
+    live, unverified = verified_live(registry.live_learners(r, keys), syncers)
     return build_snapshot(
-        {k: h.to_dict() for k, h in registry.learner_records(r, keys).items()},
-        registry.live_learners(r, keys),
+        {k: h.to_dict() for k, h in registry.learner_records(r, keys).items()
+         if k not in unverified},
+        live,
         {k: f.to_dict() for k, f in registry.learner_final_reports(r, keys).items()},
-        {k: v.to_dict() for k, v in registry.syncer_records(r, keys).items()},
+        {k: v.to_dict() for k, v in syncers.items()},
         syncers_done=registry.syncer_final_reports(r, keys),
         expected_learners=expected_learners, total_steps=total_steps, restarting=restarting,
         t_s=t_s)

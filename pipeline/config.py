@@ -247,6 +247,11 @@ class RunConfig:
     # (those runs keep theirs).
     task: str = field(default="bytegpt", metadata={"added": True})
     task_options: tuple[tuple[str, Any], ...] = field(default=(), metadata={"added": True})
+    # warm start (pipeline/warmstart.py): version 0 from this checkpoint file instead of the
+    # task's initial values; `init_sha256` is the loaded values' hash, filled in when the run
+    # is stored, so a process given another file is refused
+    init_from: str = field(default="", metadata={"added": True})
+    init_sha256: str = field(default="", metadata={"added": True})
 
     def options(self) -> dict[str, Any]:
         """The [task_options] table as a dict (lists as lists)."""
@@ -472,6 +477,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name in ("mode", "learners", "steps", "seed"):
         _check_value(name, next(f for f in fields(RunConfig) if f.name == name), getattr(cfg, name))
     _check_task(cfg.task)
+    if not isinstance(cfg.init_from, str) or len(cfg.init_from) > 4096 or "\0" in cfg.init_from:
+        raise ConfigError("init_from: expected a file path")
+    if not isinstance(cfg.init_sha256, str) or (
+            cfg.init_sha256 and not re.fullmatch(r"[0-9a-f]{64}", cfg.init_sha256)):
+        raise ConfigError("init_sha256: expected 64 hex digits (filled in when the run is "
+                          "stored)")
+    if cfg.init_sha256 and not cfg.init_from:
+        raise ConfigError("init_sha256: set without init_from")
     if _task_options(cfg.task_options) != cfg.task_options:
         raise ConfigError("task_options: not in canonical form (build it with from_dict)")
     if cfg.task_options and cfg.task in TASKS:

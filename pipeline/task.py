@@ -288,6 +288,40 @@ def task_of(cfg: RunConfig, local: str | None = None) -> Task:
         ConfigError: The user task cannot be imported, its factory fails, or what it returns
             is not a valid task.
     """
+    task = _built_task(cfg, local)
+    return WarmStarted(task, cfg.init_from, cfg.init_sha256) if cfg.init_from else task
+
+
+def with_init_hash(cfg: RunConfig, local: str | None = None) -> RunConfig:
+    """`cfg` with ``init_sha256`` filled in from its ``init_from`` file (loaded and checked
+    against the task: the first mismatch is refused, naming it); unchanged without a warm
+    start or with the hash already set (then the file is checked against it when loaded)."""
+    if not cfg.init_from or cfg.init_sha256:
+        return cfg
+    from pipeline.config import override
+    from pipeline.warmstart import initial_values, values_hash
+
+    shapes = _built_task(cfg, local).param_shapes()
+    return override(cfg, init_sha256=values_hash(initial_values(cfg.init_from, shapes)))
+
+
+class WarmStarted:
+    """A task whose initial values are a checkpoint's (``init_from``,
+    `pipeline.warmstart`); everything else is the task's own."""
+
+    def __init__(self, task: Task, path: str, sha256: str = ""):
+        self._task, self.init_from, self.init_sha256 = task, path, sha256
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def init_params(self, seed: int) -> Params:
+        from pipeline.warmstart import initial_values
+
+        return initial_values(self.init_from, self._task.param_shapes(), self.init_sha256)
+
+
+def _built_task(cfg: RunConfig, local: str | None) -> Task:
     if cfg.task == "bytegpt":
         return ByteGPT(cfg)
     if cfg.task == "llama":

@@ -14,10 +14,8 @@ import os
 import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import redis
@@ -57,57 +55,12 @@ from workers.syncer_config import (  # noqa: F401
     curve_server,
     parse_args,
 )
+from workers.syncer_state import FragState, SyncerStats, payload_digest
 
 log = logging.getLogger("diloco.syncer")
 
 # rounds of one fragment one poll may close back to back (deferred entries fill the next)
 _CLOSES_PER_POLL = 8
-
-
-@dataclass
-class SyncerStats:
-    """The syncer's counters (its registry record, status and metrics read them)."""
-
-    rounds: int = 0          # rounds committed and published
-    commits: int = 0         # rounds merged (the fault seam counts these)
-    merged: int = 0          # contributions merged
-    dropped: int = 0         # contributions refused (stale, duplicate, invalid)
-    duplicated: int = 0      # duplicate pushes recognised
-    dead_lettered: int = 0   # entries moved to a dead-letter stream
-    fenced: int = 0          # of those: entries of a superseded learner process (an old epoch)
-    lost: int = 0            # pending entries deleted before merging
-    quorum_wait_s: float = 0.0   # last round: first arrival to quorum
-    grace_wait_s: float = 0.0    # last round: quorum to close
-    last_reason: str = ""        # last round: why it closed
-
-
-@dataclass
-class _Frag:
-    core: FragmentSyncer
-    entries: dict[str, EntryMeta] = field(default_factory=dict)   # entry id → open-round entry
-    ack_extra: list[str] = field(default_factory=list)            # duplicates/drops to ack
-    deferred: list[Entry] = field(default_factory=list)
-    final_seen: set[str] = field(default_factory=set)
-    finished: bool = False
-    # (version, oldest entry id) of recent rounds
-    recent_min_ids: list[tuple[int, str]] = field(default_factory=list)
-    # recent round records with their acknowledged ids and merge records, and recent
-    # snapshots: enough to re-commit what Redis lost if it restarts from an AOF missing its
-    # last second
-    recent: deque = field(default_factory=lambda: deque(maxlen=64))
-    snapshots: dict[int, bytes] = field(default_factory=dict)
-    ckpt_version: int = 0      # the version of the fragment's last checkpoint (full state)
-    ckpt_t: float = 0.0        # when it was written (monotonic)
-    sent_floor: int = 0        # the oldest `sent:<v>` snapshot Redis may still hold
-
-
-def _payload_digest(e: Entry, limit: int) -> str | None:
-    """sha256 hex of an entry's payload; None when it is missing or oversized (parse_entry
-    then reports it)."""
-    payload = e.fields.get(b"payload")
-    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > limit:
-        return None
-    return codec.sha256_hex(payload)
 
 
 class Syncer:
@@ -136,7 +89,7 @@ class Syncer:
         self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm,
                              curve=cfg.curve)
         self.verifier = signing.Verifier(cfg.sign_keys) if cfg.sign_keys else None
-        self.frags: dict[int, _Frag] = {}
+        self.frags: dict[int, FragState] = {}
         self.live: frozenset[str] = frozenset()
         self._unverified_seen: set[str] = set()
         self.step_time_s = 1.0
@@ -331,7 +284,7 @@ class Syncer:
         return {n: rec for n, rec in reports.items()
                 if self.verifier.record_ok(self.ctx.keys.run, kind, n, rec)}
 
-    def _recover(self, p: int, blob: bytes) -> _Frag:
+    def _recover(self, p: int, blob: bytes) -> FragState:
         """The fragment at its latest committed version: its checkpoint, then the rounds
         committed since replayed (`workers.recovery`)."""
         rec = recovery.recover(self.ctx.r, self.ctx.keys.fragment(p), self.run_cfg,
@@ -344,7 +297,7 @@ class Syncer:
                            syncer=self.cfg.syncer_id, checkpoint=rec.checkpoint_version,
                            rounds=rec.replayed, seconds=round(rec.seconds, 3),
                            version=rec.core.version)
-        return _Frag(rec.core, ckpt_version=rec.checkpoint_version, ckpt_t=time.monotonic(),
+        return FragState(rec.core, ckpt_version=rec.checkpoint_version, ckpt_t=time.monotonic(),
                      sent_floor=max(0, rec.checkpoint_version - self.sync.max_staleness))
 
     def _shapes(self, p: int) -> dict[str, tuple[int, ...]]:
@@ -402,7 +355,7 @@ class Syncer:
         limit = self.bcfg.max_payload_bytes
         skip = [(f := self.frags.get(e.fragment)) is None or self._defer_unparsed(f, e)
                 for e in entries]
-        return self._hasher.map(lambda e, s: None if s else _payload_digest(e, limit),
+        return self._hasher.map(lambda e, s: None if s else payload_digest(e, limit),
                                 entries, skip)
 
     def _dead_letter(self, e: Entry, reason: str, keep_payload: bool = True) -> None:
@@ -477,7 +430,7 @@ class Syncer:
         return True
 
     @staticmethod
-    def _defer_unparsed(f: _Frag, e: Entry) -> bool:
+    def _defer_unparsed(f: FragState, e: Entry) -> bool:
         """The state machine's deferral rule, judged from the plain fields before parsing: a
         learner several rounds ahead is not re-verified and re-decoded at every close. Anything
         unusual goes the normal way (parse, then the state machine decides)."""
@@ -673,13 +626,13 @@ class Syncer:
         for e in deferred:
             self._offer(e)
 
-    def _checkpoint_due(self, f: _Frag) -> bool:
+    def _checkpoint_due(self, f: FragState) -> bool:
         """Whether the round being committed writes the fragment's full state."""
         b = self.bcfg
         return (f.core.version - f.ckpt_version >= b.checkpoint_rounds
                 or (b.checkpoint_s > 0 and time.monotonic() - f.ckpt_t >= b.checkpoint_s))
 
-    def _sent_floor(self, f: _Frag, ckpt_version: int) -> int:
+    def _sent_floor(self, f: FragState, ckpt_version: int) -> int:
         """The oldest snapshot to keep: the anchors of stale contributions to the current
         version and to the checkpoint's (recovery replays from there)."""
         return max(0, min(f.core.version, ckpt_version) - self.sync.max_staleness)
@@ -691,7 +644,7 @@ class Syncer:
             if f.ckpt_version < f.core.version:
                 self._checkpoint(p, f)
 
-    def _checkpoint(self, p: int, f: _Frag) -> None:
+    def _checkpoint(self, p: int, f: FragState) -> None:
         floor = self._sent_floor(f, f.core.version)
         try:
             self.streams.checkpoint(p, self.cfg.syncer_id, state=self._state_blob(f.core),
@@ -714,7 +667,7 @@ class Syncer:
             grace_wait_s=max(0.0, r.closed_s - r.quorum_s),
             merge_s=time.monotonic() - t0, syncer=self.cfg.syncer_id, t=time.time())
 
-    def _trim(self, p: int, f: _Frag) -> None:
+    def _trim(self, p: int, f: FragState) -> None:
         ids = list(f.entries)
         if not ids:
             return

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -345,11 +346,9 @@ def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> 
             payloads = [_fragment_delta(cfg, p, seed) for seed in range(min(M, 8))]
             wire_mb = sum(len(codec.pack_tensors(t)) for t in payloads) / len(payloads) / 1e6
             sign = {f"L{m}": sec.sign_key(f"L{m}") for m in range(M)} if sec else {}
-            for m in range(M):  # signed as the learners sign them (the syncer counts those)
-                name = f"L{m}"
-                registry.heartbeat(r, keys, name, Heartbeat(step_s=1.0), ttl_s=600, sign=(
-                    lambda rec, n=name: signing.sign_record(sign[n], "bench", "heartbeat", n,
-                                                            rec)) if sign else None)
+            for n in (f"L{m}" for m in range(M)):  # signed as learners sign them (counted)
+                registry.heartbeat(r, keys, n, Heartbeat(step_s=1.0), ttl_s=600, sign=partial(
+                    signing.sign_record, sign[n], "bench", "heartbeat", n) if sign else None)
             lat = []
             version = 0
             rss_before = _rss_peak(proc.pid)

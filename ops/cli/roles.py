@@ -16,6 +16,7 @@ from ops.cluster import store_run_config
 from ops.tools import snapshot, status
 from pipeline import config as cfgmod
 from pipeline.config import ConfigError
+from pipeline.task import with_init_hash
 from workers import learner, syncer
 from workers.common import add_redis_args, open_run
 
@@ -53,6 +54,7 @@ def _run_role(role, args: argparse.Namespace) -> int:
 def _init(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, base=cfgmod.demo_config())
+        cfg = with_init_hash(cfg, local=cfg.task)  # printed below: the hash stored
         stored = store_run_config(args.redis_url, args.run, cfg)
     except (BrokerError, ConfigError, ValueError, *REDIS_DOWN) as e:
         return fail_on(e)

@@ -24,7 +24,7 @@ from ops.cluster.supervisor import Supervisor, role_cmd, store_run_config
 from pipeline.config import RunConfig
 from pipeline.engine import bandwidth_ratios
 from pipeline.fragments import fragment_sizes
-from pipeline.task import Data, n_params
+from pipeline.task import Data, n_params, with_init_hash
 
 Progress = Callable[[float], None]  # called about once a second with the seconds since start
 
@@ -173,6 +173,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
     url = redis_url or server.url
     la = log = None
     try:
+        cfg = with_init_hash(cfg, local=cfg.task)
         store_run_config(url, run_name, cfg)
         run_dir = artifacts.new_run_dir(out, run_name)
         artifacts.write_config(run_dir, cfg)

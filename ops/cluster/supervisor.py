@@ -30,7 +30,7 @@ from pipeline import capacity
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.fragments import partition
-from pipeline.task import Data, stored_spec, task_of
+from pipeline.task import Data, stored_spec, task_of, with_init_hash
 from pipeline.train import evaluate
 from workers.recovery import recover
 
@@ -68,6 +68,7 @@ def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
         ConfigError: a fragment's values would not fit their paths (`pipeline.capacity`):
             the message names the setting that fixes it; nothing is stored.
     """
+    cfg = with_init_hash(cfg, local=cfg.task)  # a warm start's values, hashed: one model
     task = task_of(cfg, local=cfg.task)
     r = connect(redis_url)
     try:

@@ -7,6 +7,7 @@ values, the best of a few repeats (the host's other work only makes a repeat slo
 from __future__ import annotations
 
 import time
+import timeit
 from collections.abc import Callable
 
 import numpy as np
@@ -22,12 +23,7 @@ MEASURE_VALUES = 1 << 21  # 8 MiB of fp32: far past the caches, a second or two 
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def measure(cfg: RunConfig, n: int = MEASURE_VALUES, repeats: int = 3,

@@ -20,7 +20,7 @@ from pipeline import quant
 from pipeline.config import ConfigError
 
 SAFETENSORS_EXTRA = "reading .safetensors needs the safetensors package: pip install " \
-                    "'diloco[safetensors]'"
+                    "'decoupled-diloco[safetensors]'"
 _SKIP = {"config_toml", "versions"}  # the export's own metadata arrays
 
 

@@ -185,6 +185,8 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     assert sample
     plot = cli("plot", str(work / "runs" / "main"), "--out", "plots", "--json", tools=True)
     assert plot
+    tb = cli("tensorboard", str(work / "runs" / "main"), "--out", "tb", "--json", tools=True)
+    assert tb["records"] > 0 and any((work / "tb").iterdir())
     assert not marker.exists(), marker.read_text()
     assert not (work / "empty-kernel-cache").exists() or not any(
         (work / "empty-kernel-cache").iterdir())

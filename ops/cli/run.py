@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ from ops.cluster import (
     run_distributed,
     run_inprocess,
     store_run_config,
+    tensorboard,
 )
 from ops.tools import snapshot
 from pipeline import config as cfgmod
@@ -52,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="store the configuration in Redis for `diloco syncer`/`learner` and exit")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no live progress")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard "
+                   "event files in DIR (the [tensorboard] extra)")
     p.set_defaults(func=run)
 
 
@@ -65,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     quiet = args.quiet or args.json
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return fail(tensorboard.TENSORBOARD_EXTRA)
     if args.engine == "inprocess":
         try:
             summary = run_inprocess(cfg, run_name, out=args.out,
-                                    on_eval=None if quiet else _print_eval)
+                                    on_eval=None if quiet else _print_eval,
+                                    tensorboard=args.tensorboard)
         except (ValueError, OSError) as e:  # data too small for the split, an unwritable --out
             return fail_on(e)
     elif cfg.mode == "ddp":
@@ -97,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 summary = run_distributed(cfg, run_name, out=args.out,
-                                          redis_url=args.redis_url, progress=progress)
+                                          redis_url=args.redis_url, progress=progress,
+                                          tensorboard=args.tensorboard)
             except KeyboardInterrupt:
                 print("interrupted: every process was stopped", file=sys.stderr)
                 return 130

@@ -2,7 +2,7 @@
 processes, the `diloco run` launcher (and its in-process twin), TCP proxies that cut links, and
 the run's output folder."""
 
-from ops.cluster import artifacts
+from ops.cluster import artifacts, tensorboard
 from ops.cluster.inprocess import run_inprocess
 from ops.cluster.launcher import Launcher, RunFailed, run_distributed
 from ops.cluster.netproxy import TcpProxy
@@ -20,4 +20,4 @@ from ops.cluster.wire import codec_sizes
 __all__ = ["ClusterServers", "Launcher", "RedisServer", "RunFailed", "SecureSetup", "Supervisor",
            "TcpProxy", "TlsFiles", "artifacts", "codec_sizes", "free_port", "global_params",
            "role_cmd", "run_distributed", "run_inprocess", "secure_init", "store_run_config",
-           "write_bundles", "write_keys", "write_role_urls"]
+           "tensorboard", "write_bundles", "write_keys", "write_role_urls"]

@@ -29,17 +29,27 @@ def new_run_dir(root: str | Path, run: str) -> Path:
 
 
 class MetricsLog:
-    """Append-only JSON lines; every record gets the wall time `t` it was written."""
+    """Append-only JSON lines; every record gets the wall time `t` it was written. With
+    `tensorboard` (a folder) each record's numbers also go to TensorBoard event files there
+    (`ops.cluster.tensorboard`: the ``[tensorboard]`` extra)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensorboard: str | Path | None = None):
+        from ops.cluster.tensorboard import TensorBoardLog
+
         self.path = path
+        self._tb = TensorBoardLog(tensorboard) if tensorboard else None
         self._fh = open(path, "a", buffering=1)
 
     def write(self, kind: str, record: Mapping) -> None:
-        self._fh.write(json.dumps({"kind": kind, "t": time.time(), **record}) + "\n")
+        rec = {"kind": kind, "t": time.time(), **record}
+        self._fh.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            self._tb.write(kind, rec)
 
     def close(self) -> None:
         self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def write_json(path: Path, obj: Any) -> None:

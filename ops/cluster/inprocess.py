@@ -13,7 +13,8 @@ from pipeline.engine import Engine
 
 
 def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
-                  on_eval: Callable[[dict], None] | None = None) -> dict:
+                  on_eval: Callable[[dict], None] | None = None,
+                  tensorboard: str | Path | None = None) -> dict:
     """Run the in-process engine; return the summary (also written to the run folder).
 
     Args:
@@ -21,10 +22,11 @@ def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
         run_name: The run name (the run folder's).
         out: The folder that gets the run folder.
         on_eval: Called with each evaluation record (virtual wall time, tokens, loss).
+        tensorboard: Also write the metrics as TensorBoard event files in this folder.
     """
     run_dir = artifacts.new_run_dir(out, run_name)
     artifacts.write_config(run_dir, cfg)
-    log = artifacts.MetricsLog(run_dir / "metrics.jsonl")
+    log = artifacts.MetricsLog(run_dir / "metrics.jsonl", tensorboard)
 
     def on_event(kind: str, data: dict) -> None:
         log.write(kind, data)

@@ -26,8 +26,9 @@ def _check(over: dict, limits: capacity.Limits | None = None) -> str | None:
 def test_value_bytes_per_codec():
     cfg = cfgmod.RunConfig()  # int4 up, int4 delta down: snapshots are the fp32 reference
     v = capacity.value_bytes(cfg, 6400)
-    assert v == {"push": 3200 + 4 * 100, "publish": 4 * 6400, "snapshot": 4 * 6400,
-                 "state": 8 * 6400}
+    # the first published value is the fp32 reference, every later one an int4 delta
+    assert v == {"push": 3200 + 4 * 100, "publish": 4 * 6400, "publish_steady": 3200 + 4 * 100,
+                 "snapshot": 4 * 6400, "state": 8 * 6400}
     whole = cfgmod.override(cfg, **{"sync.codec_down": "bf16", "sync.down_delta": False})
     assert capacity.value_bytes(whole, 6400)["snapshot"] == 2 * 6400
 

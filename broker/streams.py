@@ -32,7 +32,21 @@ from broker.errors import BrokerError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, RunKeys
 
+MAX_ID = 2**64 - 1  # either part of a stream id
+
 Fields = dict[bytes, bytes]
+
+
+class StreamExhausted(BrokerError):
+    """A fragment stream takes no new entry: one was added with the largest possible id
+    (`FragmentStreams.reopen_exhausted`, which the fragment's syncer runs, undoes it)."""
+
+
+def _exhausted(p: int, e: redis.ResponseError) -> StreamExhausted | None:
+    if "last possible ID" not in str(e):
+        return None
+    return StreamExhausted(f"fragment {p}: its stream takes no new entry (an entry was added "
+                           f"with the largest id); the syncer that owns it sets it back")
 log = logging.getLogger("diloco.streams")
 
 # a cluster's answers while a slot changes master (a failover): not a refusal
@@ -108,8 +122,11 @@ class FragmentStreams:
         """
         key = self.keys.fragment(p).frags
         if not self.wait_replicas:
-            return as_text(self.r.xadd(key, dict(fields), maxlen=self.max_entries,
-                                       approximate=True))
+            try:
+                return as_text(self.r.xadd(key, dict(fields), maxlen=self.max_entries,
+                                           approximate=True))
+            except redis.ResponseError as e:
+                raise _exhausted(p, e) or e from e
         try:
             client = self.r
             if self.cluster:  # WAIT counts this connection's writes: the slot's master
@@ -122,7 +139,7 @@ class FragmentStreams:
             moved = isinstance(e, _SLOT_MOVING) or str(e).split(" ", 1)[0] in (
                 "MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
             if isinstance(e, redis.ResponseError) and not moved:
-                raise  # a real refusal (NOPERM, …), not an outage
+                raise _exhausted(p, e) or e from e  # a real refusal (NOPERM, …), not an outage
             if self.cluster:  # the slot's master died or moved: read the slot map again
                 try:
                     self.r.nodes_manager.initialize()
@@ -422,6 +439,33 @@ class FragmentStreams:
             raise LeaseLost(f"fragment {p}: lease expired (not renewed within broker.lease_ms)")
         if holder != owner.encode():
             raise LeaseLost(f"fragment {p}: lease held by {holder.decode()!r}")
+
+    def reopen_exhausted(self, p: int) -> str | None:
+        """Undo an entry added with the largest possible id (a learner credential may name an
+        explicit id; after it no `XADD *` succeeds on the stream): it is copied to the
+        dead-letter stream and deleted, the stream's last id set back to its newest other
+        entry (or 0-1), and the consumer group's last-delivered id with it. None when the
+        stream is not exhausted; else the id it was set back to."""
+        fk = self.keys.fragment(p)
+        try:
+            last = as_text(self.r.xinfo_stream(fk.frags)["last-generated-id"])
+        except redis.ResponseError:  # no stream yet
+            return None
+        if id_key(last) != (MAX_ID, MAX_ID):
+            return None
+        for entry_id, fields in self.r.xrange(fk.frags, min=last, max=last):
+            self.dead_letter(p, Entry(p, as_text(entry_id), fields or {}),
+                             "an entry with the largest stream id (no push could follow it)",
+                             keep_payload=False)
+            self.r.xdel(fk.frags, entry_id)
+        top = self.r.xrevrange(fk.frags, count=1)
+        back = as_text(top[0][0]) if top else "0-1"
+        self.r.execute_command("XSETID", fk.frags, back)
+        for g in self.r.xinfo_groups(fk.frags):
+            if as_text(g["name"]) == GROUP and id_key(as_text(g["last-delivered-id"])) > \
+                    id_key(back):
+                self.r.xgroup_setid(fk.frags, GROUP, back)
+        return back
 
     def trim(self, p: int, min_id: str) -> int:
         """Drop fragment entries older than `min_id` (merged long enough ago)."""

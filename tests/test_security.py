@@ -231,6 +231,11 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
         # unsigned entry, one signed with another key, one from an unknown learner, and L1's
         # own next keys pre-empted (unsigned) — a real push must not become a "duplicate"
         injected = _inject_forged_entries(url["learner"], url["reader"], kdir)
+        # and an entry of the largest id, after which no XADD * goes in (the ACL cannot
+        # restrict ids): the fragment's syncer undoes it, the learners' pushes go in again
+        biggest = f"{2**64 - 1}-{2**64 - 1}"
+        connect(url["learner"]).xadd(RunKeys("sec").fragment(1).frags, {"learner": "L1"},
+                                     id=biggest)
         procs = {n: subprocess.Popen(c, cwd=REPO, stdout=logs[n], stderr=subprocess.STDOUT)
                  for n, c in cmds.items()}
         stop = threading.Event()
@@ -273,6 +278,9 @@ def test_a_hardened_run_tls_acl_curve_and_every_role_refused_the_rest(tmp_path):
             for _, fields in admin_r.xrange(RunKeys("sec").fragment(p).dlq):
                 dead[fields[b"dlq_source_id"].decode()] = fields[b"dlq_reason"].decode()
         assert set(injected) <= set(dead), (injected, dead)
+        assert "largest stream id" in dead.pop(biggest)
+        assert admin_r.xinfo_stream(RunKeys("sec").fragment(1).frags)[
+            "last-generated-id"] != biggest.encode()
         for entry_id, why in injected.items():
             assert dead[entry_id].startswith(f"signature: {why}"), (entry_id, dead[entry_id])
         from broker.records import read_rounds

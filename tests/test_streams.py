@@ -87,6 +87,29 @@ def test_entries_are_plain_fields(r, keys, fs, cfg):
         np.testing.assert_array_equal(np.asarray(tensors[n].data).reshape(v.shape), v)
 
 
+def test_an_entry_of_the_largest_id_is_undone_and_pushes_go_in_again(r, keys, fs, cfg):
+    """A learner credential may XADD with an explicit id; the largest one leaves a stream
+    that takes no `XADD *`. The fragment's syncer dead-letters it and sets the stream and its
+    group back; what was pushed before is kept and nothing is delivered twice."""
+    from broker.streams import StreamExhausted
+
+    assert fs.reopen_exhausted(1) is None  # no stream yet
+    a = fs.push(1, fields_of(cfg, "L0"))
+    biggest = f"{2**64 - 1}-{2**64 - 1}"
+    r.xadd(keys.fragment(1).frags, fields_of(cfg, "L9"), id=biggest)
+    assert [e.entry_id for e in fs.read_new("s", [1], count=10, block_ms=10)] == [a, biggest]
+    with pytest.raises(StreamExhausted, match="fragment 1: its stream takes no new entry"):
+        fs.push(1, fields_of(cfg, "L1"))
+    assert fs.reopen_exhausted(0) is None and fs.reopen_exhausted(1) == a
+    assert fs.reopen_exhausted(1) is None  # once
+    dead = r.xrange(keys.fragment(1).dlq)
+    assert [f[b"dlq_source_id"].decode() for _, f in dead] == [biggest]
+    assert b"largest stream id" in dead[0][1][b"dlq_reason"]
+    b = fs.push(1, fields_of(cfg, "L1"))
+    assert [e.entry_id for e in fs.read_new("s", [1], count=10, block_ms=10)] == [b]
+    assert [as_id for as_id, _ in r.xrange(keys.fragment(1).frags)] == [a.encode(), b.encode()]
+
+
 def test_read_new_consumer_group_basics(r, keys, fs, cfg):
     assert fs.read_new("c1", [0, 1], count=10, block_ms=10) == []
     a = fs.push(1, fields_of(cfg, "L0"))

@@ -32,7 +32,7 @@ from broker.connection import OUTAGE
 from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
-from broker.streams import FragmentStreams
+from broker.streams import FragmentStreams, StreamExhausted
 from pipeline.downlink import apply_delta
 from pipeline.learner import UNKNOWN
 from pipeline.quant import tensors_hash
@@ -93,6 +93,8 @@ class LearnerNet(threading.Thread):
         self.finish_seen = False
         self.epoch = 0  # this process's epoch of its learner id (set at the join)
         self.sign_key: bytes | None = None  # signed runs: only a signed newer claim counts
+        self._exhausted_said = 0.0  # when a blocked stream may be logged again
+        self._push_again_at = 0.0  # pushes wait until then (a blocked stream)
         self._epoch_error = False  # logged once
         self.superseded: int | None = None  # a newer epoch seen: this thread stopped
         self._unsent: list[tuple[int, dict]] = []
@@ -188,7 +190,8 @@ class LearnerNet(threading.Thread):
                         **self.progress, **self._stats_info()), self.bcfg.heartbeat_ttl_s,
                         sign=self._sign_heartbeat if self.sign_key is not None else None)
                     next_hb = now + self.bcfg.heartbeat_s
-                self._send_pushes()
+                if now >= self._push_again_at:
+                    self._send_pushes()
                 if self.stop_event.is_set():  # superseded: nothing more, not even a repair
                     return
                 self._serve_snapshots()
@@ -199,6 +202,11 @@ class LearnerNet(threading.Thread):
                                    down_s=round(now - down_since, 3))
                     down_since = None
                     self.redis_down = False
+            except StreamExhausted as e:  # the syncer sets the stream back: pushes stay queued
+                if now >= self._exhausted_said:
+                    log.warning("%s: %s; retrying", self.id, e)
+                    self._exhausted_said = now + 30.0
+                self._push_again_at = now + 1.0  # not the whole payload 50 times a second
             except (*OUTAGE, redis.OutOfMemoryError) as e:
                 # unreachable, or full (maxmemory + noeviction): pushes stay queued
                 if down_since is None:

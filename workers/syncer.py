@@ -267,6 +267,16 @@ class Syncer:
             return False
         return set(self.cfg.fragments or self.sizes) <= self._closed()
 
+    def _reopen(self, p: int) -> None:
+        """A stream an entry of the largest id blocks (a learner credential may name ids) is
+        set back, so learners' pushes go in again."""
+        back = self.streams.reopen_exhausted(p)
+        if back is not None:
+            self.stats.dead_lettered += 1
+            log.warning("fragment %d: an entry with the largest stream id blocked every push; "
+                        "dead-lettered, the stream set back to %s", p, back)
+            registry.event(self.ctx.r, self.ctx.keys, "stream-reopened", fragment=p, to=back)
+
     def _note_unverified(self, names: Iterable[str]) -> None:
         """A warning, once per learner id, for a live heartbeat its learner's key does not
         sign: a process with a learner credential but not that learner's signing key."""
@@ -496,6 +506,8 @@ class Syncer:
                 self._resync()
             if self.auto:
                 self._rebalance(force=True)
+            for p in list(self.owned):
+                self._reopen(p)
             registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, self._info())
 
     def _maybe_close(self, p: int, final_expected: set[str] | None) -> bool:

@@ -64,7 +64,8 @@ from workers.common import (
     read_snapshot,
     stale_temps,
 )
-from workers.learner_net import LearnerNet, read_push_log
+from workers.island_checkpoint import acked_pushes, checkpoint_arrays, pushed_after, restore_opt
+from workers.learner_net import LearnerNet
 
 log = logging.getLogger("diloco.learner")
 
@@ -549,17 +550,11 @@ class Island:
         path = self._ckpt_path()
         # the write in progress ends first: never two copies of the state in host memory
         self._ckpt_writer.wait()
-        leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
         meta, core_arrays = self.core.state_dict()
-        # copies (np.array): the writer thread reads them while the next steps run, and those
-        # may reuse the buffers of the step's outputs
-        arrays = {
-            "step": np.asarray(self.step), "tokens": np.asarray(self.tokens_done),
-            "run_hash": np.asarray(self.ctx.run_hash), "core": np.asarray(json.dumps(meta)),
-            "opt_leaves": np.asarray(len(leaves)),
-            **{f"leaf{i}": np.array(x) for i, x in enumerate(leaves)},
-            **{f"theta/{n}": np.array(v) for n, v in self._params.items()},
-            **{f"core/{k}": np.array(v) for k, v in core_arrays.items()}}
+        arrays = checkpoint_arrays(step=self.step, tokens=self.tokens_done,
+                                   run_hash=self.ctx.run_hash, core_meta=meta,
+                                   core_arrays=core_arrays, params=self._params,
+                                   opt_state=opt_state)
         self._checkpoints += 1
         # written and fsynced off the training thread; the next checkpoint waits for this one
         self._ckpt_writer.submit(path, arrays,
@@ -582,7 +577,7 @@ class Island:
                 with np.load(path) as z:
                     if str(z["run_hash"]) == self.ctx.run_hash:
                         step, tokens = int(z["step"]), int(z["tokens"])
-                        opt_state = self._restore_opt(z, opt_state)
+                        opt_state = restore_opt(z, opt_state, self.id)
                         progress = "core" in z.files and self._restore_progress(z, step)
                         registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
                                        step=step, source="checkpoint", progress=int(progress))
@@ -609,30 +604,6 @@ class Island:
             return int(rec.step), int(rec.tokens), opt_state
         return 0, 0, opt_state
 
-    def _restore_opt(self, z, opt_state: Any) -> Any:
-        """The checkpointed optimizer state in the structure of `opt_state` (kept as given
-        when the checkpoint has none or another structure)."""
-        if opt_state is None:
-            return None
-        treedef = jax.tree_util.tree_structure(opt_state)
-        n = treedef.num_leaves
-        saved = int(z["opt_leaves"]) if "opt_leaves" in z.files else n
-        if saved != n or any(f"leaf{i}" not in z.files for i in range(n)):
-            log.warning("%s: checkpointed optimizer state does not fit; starting it afresh",
-                        self.id)
-            return opt_state
-        like = jax.tree_util.tree_leaves(opt_state)
-        saved_leaves = [z[f"leaf{i}"] for i in range(n)]
-        if any(np.shape(s) != np.shape(x) or np.asarray(s).dtype != np.dtype(
-                getattr(x, "dtype", np.asarray(x).dtype)) for s, x in zip(saved_leaves, like,
-                                                                         strict=True)):
-            log.warning("%s: checkpointed optimizer state has other shapes or dtypes; starting "
-                        "it afresh", self.id)
-            return opt_state
-        leaves = [jax.device_put(s, getattr(x, "sharding", None))
-                  for s, x in zip(saved_leaves, like, strict=True)]
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
     def _restore_progress(self, z, step: int) -> bool:
         """Resume the checkpointed parameters and sync bookkeeping instead of the snapshots read
         at join: the unpushed progress of every fragment survives the restart. A push in flight
@@ -655,12 +626,13 @@ class Island:
             versions, values = self._joined
             self.core = self._new_core(values, versions)
             return False
-        acked = self._acked_pushes()
+        acked = acked_pushes(self._push_log, self.id, len(self.ctx.fragments),
+                             self.ctx.run_hash)
         known = {key for key, _ in acked}
         for p, f in enumerate(self.core.inflight):
             if f is not None and (p, *f.key) not in known:
                 self.core.forget_push(p)
-        for p, (version, sent) in self._pushed_after(acked, step).items():
+        for p, (version, sent) in pushed_after(acked, step, self.core.base_version).items():
             if self._resumable(p, version, sent):
                 log.info("%s: fragment %d was pushed at step %d, after the checkpoint (step "
                          "%d): that push is taken as in flight", self.id, p, sent, step)
@@ -673,44 +645,6 @@ class Island:
         for p, v in enumerate(versions):
             self.core.on_global(p, v, values)  # ignored unless newer than the restored base
         return True
-
-    def _acked_pushes(self) -> list[tuple[tuple[int, int, int], bool]]:
-        """((fragment, base_version, step), of this run) of every push Redis acknowledged, in
-        the order of the log. The log is this learner's own file, read as untrusted: a line
-        that does not fit is skipped, an unreadable log counts as empty (with a warning), and
-        records of another run in the same folder are left out (older records, which do not
-        name their run, count only as acknowledgements)."""
-        path = self._push_log
-        if path is None or not path.exists():
-            return []
-        try:
-            records = list(read_push_log(path))
-        except OSError as e:
-            log.warning("%s: push log %s is unreadable (%s); no push counts as acknowledged",
-                        self.id, path, e)
-            return []
-        out = []
-        for rec in records:
-            if not isinstance(rec, dict) or "id" not in rec:
-                continue  # an attempt (or not a record)
-            key = tuple(rec.get(k) for k in ("fragment", "base_version", "step"))
-            if not all(type(x) is int and x >= 0 for x in key) or (
-                    key[0] >= len(self.ctx.fragments) or rec.get("learner", self.id) != self.id):
-                log.warning("%s: skipping a malformed record of %s", self.id, path)
-                continue
-            run = rec.get("run")
-            if run is None or run == self.ctx.run_hash:
-                out.append((key, run is not None))
-        return out
-
-    def _pushed_after(self, acked: list[tuple[tuple[int, int, int], bool]],
-                      step: int) -> dict[int, tuple[int, int]]:
-        """Fragment → (base_version, step) of its last acknowledged push of this run sent after
-        checkpoint `step` on a base not older than the checkpoint's (the log's order: a
-        restarted learner's steps repeat an earlier incarnation's; an earlier incarnation's
-        push on an older base does not hold what a later one checkpointed)."""
-        return {p: (v, s) for (p, v, s), this_run in acked
-                if this_run and s > step and v >= self.core.base_version[p]}
 
     def _resumable(self, p: int, version: int, sent: int) -> bool:
         """May the push of fragment p (on `version`, at step `sent`) be taken as in flight?

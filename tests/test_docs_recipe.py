@@ -136,3 +136,65 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
 def _needs_redis_server():
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+
+
+def test_the_redis_guides_own_ca_settings_start_a_tls_only_redis_with_acl_users(tmp_path):
+    """docs/REDIS.md §7's hand-written redis.conf lines and users.acl, as written (paths and
+    the port substituted), added to a copy of ops/redis.conf: a TLS-only server that refuses
+    plaintext and clients without a certificate, whose default user is off and whose admin
+    gets in with the password the hash was made from."""
+    import hashlib
+
+    import redis
+
+    from ops.cluster import TlsFiles
+
+    text = (REPO / "docs" / "REDIS.md").read_text()
+    section = text[text.index("## 7. Security"):text.index("## 8. Redis Cluster")]
+    conf_block, acl_block = re.findall(r"```\n(.*?)```", section, re.S)[:2]
+    tls = TlsFiles.generate(tmp_path / "tls")
+    port, password = free_port(), "a-long-admin-password-for-the-test"
+    paths = {"/etc/redis/tls/server.crt": tls.server_cert, "/etc/redis/tls/server.key":
+             tls.server_key, "/etc/redis/tls/ca.crt": tls.ca,
+             "/etc/redis/users.acl": tmp_path / "users.acl"}
+    for doc_path, real in paths.items():
+        assert doc_path in conf_block, doc_path
+        conf_block = conf_block.replace(doc_path, str(real))
+    base = (REPO / "ops" / "redis.conf").read_text().replace("dir /var/lib/redis",
+                                                            f"dir {tmp_path}")
+    base = base.replace("bind 0.0.0.0", "bind 127.0.0.1").replace("maxmemory 2gb",
+                                                                  "maxmemory 64mb")
+    (tmp_path / "redis.conf").write_text(base + "\n" + conf_block.replace(
+        "tls-port 6380", f"tls-port {port}"))
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    (tmp_path / "users.acl").write_text("\n".join(
+        line for line in acl_block.replace("<sha256 of the admin password>", digest)
+        .splitlines() if line and not line.startswith("#")) + "\n")
+    log = open(tmp_path / "redis.log", "wb")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(["redis-server", str(tmp_path / "redis.conf")], cwd=tmp_path,
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        tls_args = {"host": "127.0.0.1", "port": port, "ssl": True, "socket_timeout": 5,
+                    "ssl_ca_certs": str(tls.ca)}
+        admin = redis.Redis(**tls_args, username="admin", password=password,
+                            ssl_certfile=str(tls.client_cert), ssl_keyfile=str(tls.client_key))
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert admin.ping()
+                break
+            except redis.ConnectionError:
+                assert server.poll() is None, (tmp_path / "redis.log").read_text()[-2000:]
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.2)
+        assert admin.acl_whoami() == "admin"
+        with pytest.raises(redis.ConnectionError):  # no certificate
+            redis.Redis(**tls_args, username="admin", password=password).ping()
+        with pytest.raises(redis.AuthenticationError):  # the default user is off
+            redis.Redis(**tls_args, ssl_certfile=str(tls.client_cert),
+                        ssl_keyfile=str(tls.client_key)).ping()
+        assert admin.config_get("port") == {"port": "0"}  # no plaintext port
+    finally:
+        server.terminate()
+        server.wait(20)
+        log.close()

@@ -39,7 +39,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -469,45 +468,11 @@ def leftovers(pid: int | None = None) -> list[str]:
     if root is not None:
         out += [str(d) for d in root[0].glob(f"{PREFIX}*") if ours(d.name)]
     links = _run("ip", "-j", "link", "show", check=False).stdout or "[]"
-    tags = ("dla", "dlb", "dlm") if pid is None else tuple(f"{t}{pid:x}" for t in ("dla", "dlb",
-                                                                                   "dlm"))
+    tags = tuple(t if pid is None else f"{t}{pid:x}" for t in ("dla", "dlb", "dlm"))
     out += [ln["ifname"] for ln in json.loads(links)
             if ln.get("ifname", "").split("@")[0] in tags
             or (pid is None and ln.get("ifname", "").startswith(tags))]
     return out
-
-
-class CounterSampler:
-    """Reads the lab's interface counters every `every_s` seconds on a thread; each sample is
-    (``time.monotonic()``, counters)."""
-
-    def __init__(self, lab: Lab, every_s: float = 1.0):
-        self.lab, self.every_s = lab, every_s
-        self.samples: list[tuple[float, dict[str, dict[str, int]]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="lab-counters", daemon=True)
-
-    def start(self) -> CounterSampler:
-        self.sample()
-        self._thread.start()
-        return self
-
-    def sample(self) -> None:
-        try:
-            counters = self.lab.counters()
-            self.samples.append((time.monotonic(), counters))  # when the read came back
-        except (RuntimeError, ValueError, KeyError) as e:  # the lab is going down
-            log.debug("counter sample skipped: %s", e)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        self.sample()
 
 
 def _reap(pid: int) -> int:

@@ -20,6 +20,7 @@ import logging
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from broker import registry
 from broker.keys import RunKeys
 from ops.chaos import ChaosRun, Fault
 from ops.cluster import RedisServer, Supervisor, artifacts, role_cmd
-from ops.lab.netns import HUB_IP, CounterSampler, Lab, SiteSpec
+from ops.lab.netns import HUB_IP, Lab, SiteSpec
 from pipeline import config as cfgmod
 from pipeline.config import RunConfig
 from pipeline.task import stored_spec
@@ -120,6 +121,39 @@ class LabRun(ChaosRun):
         recs = registry.learner_records(self.r, self.keys)
         self.steps.append((rel_s, {k: int(v.step) for k, v in recs.items()}))
 
+
+
+class CounterSampler:
+    """Reads the lab's interface counters every `every_s` seconds on a thread; each sample is
+    (``time.monotonic()``, counters)."""
+
+    def __init__(self, lab: Lab, every_s: float = 1.0):
+        self.lab, self.every_s = lab, every_s
+        self.samples: list[tuple[float, dict[str, dict[str, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lab-counters", daemon=True)
+
+    def start(self) -> CounterSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        try:
+            counters = self.lab.counters()
+            self.samples.append((time.monotonic(), counters))  # when the read came back
+        except (RuntimeError, ValueError, KeyError) as e:  # the lab is going down
+            log.debug("counter sample skipped: %s", e)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.sample()
 
 def traffic(samples: list[tuple[float, dict[str, dict[str, int]]]],
             tokens: dict[str, int], t0: float = 0.0) -> dict:

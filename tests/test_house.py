@@ -17,7 +17,6 @@ OVER_500 = {
     "workers/island.py": 768,
     "ops/bench/pipeline.py": 590,
     "pipeline/config.py": 582,
-    "pipeline/learner.py": 522,
 }
 
 

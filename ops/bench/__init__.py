@@ -5,7 +5,17 @@ machine (and in every setting users run it: `step_matrix`), resilience (S1 failu
 stragglers) on real processes, the cross-site scenario in the lab (network namespaces behind
 shaped links), and the prepared check for an accelerator host (`accelerator`)."""
 
-from ops.bench import accelerator, islands, lab, pipeline, quality, resilience, step, step_matrix
+from ops.bench import (
+                       accelerator,
+                       islands,
+                       lab,
+                       overlap,
+                       pipeline,
+                       quality,
+                       resilience,
+                       step,
+                       step_matrix,
+)
 
-__all__ = ["accelerator", "islands", "lab", "pipeline", "quality", "resilience", "step",
-           "step_matrix"]
+__all__ = ["accelerator", "islands", "lab", "overlap", "pipeline", "quality", "resilience",
+           "step", "step_matrix"]

@@ -15,10 +15,8 @@ Each one measures its ratio side by side in one run on this machine:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -306,7 +304,7 @@ def _recovery_point(n_rounds: int, M: int = 4) -> dict:
 
 # -- syncer memory and round latency (a real syncer process, synthetic pushers) -----------------
 
-def _servers(stack: contextlib.ExitStack, secure: bool, run: str, learners: list[str]
+def servers(stack: contextlib.ExitStack, secure: bool, run: str, learners: list[str]
              ) -> tuple[str, str, list[str], SecureSetup | None]:
     """(admin URL, learner URL, the syncer's Redis/CURVE/signing arguments, the setup): an
     open redis-server, or with `secure` a TLS-only one with ACL users, CURVE and signing keys
@@ -324,7 +322,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> 
     cfg = cfgmod.from_dict({**BIG, "learners": M, "sync": {**BIG["sync"], "quorum": M}})
     p = 1
     with contextlib.ExitStack() as stack:
-        admin, learner_url, syncer_args, sec = _servers(stack, secure, "bench",
+        admin, learner_url, syncer_args, sec = servers(stack, secure, "bench",
                                                         [f"L{m}" for m in range(M)])
         store_run_config(admin, "bench", cfg)
         proc = subprocess.Popen([sys.executable, "-m", "workers.syncer", *syncer_args,
@@ -410,109 +408,6 @@ def bench_latency(quick: bool = False) -> dict:
     return res
 
 
-# -- overlap efficiency (real learner processes) ----------------------------------------------
-
-def _examples() -> Path:
-    """The examples folder: a source checkout's, else the one installed with the package
-    (<prefix>/share/decoupled-diloco/examples)."""
-    checkout = Path(__file__).resolve().parents[2] / "examples"
-    if (checkout / "own_loop.py").exists():
-        return checkout
-    return Path(sys.prefix) / "share" / "decoupled-diloco" / "examples"
-
-
-EXAMPLES = _examples()
-
-
-def bench_overlap(quick: bool = False) -> dict:
-    """One learner pinned to CPU 0, the syncer and redis-server pinned to CPU 1 (a learner
-    with its own core, as on separate hosts), run twice: syncing on, then off (`--no-sync`,
-    same process otherwise). The steady inner-step rate of the two is compared."""
-    steps = 300 if quick else 1500
-    base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps,
-                           **{"sync.quorum": 1})
-    return _overlap(base, [sys.executable, "-m", "workers.learner"], quick)
-
-
-def bench_overlap_library(quick: bool = False) -> dict:
-    """The overlap benchmark of the learner as a library: examples/own_loop.py (a user's model
-    and a hand-written loop around `workers.island.Island`) instead of `diloco learner`, with
-    the same run settings (demo H and P, one learner, 1500 steps)."""
-    if not (EXAMPLES / "own_loop.py").exists():
-        raise FileNotFoundError(f"{EXAMPLES}/own_loop.py not found: bench overlap-library "
-                                "runs the examples of a source checkout or of the installed "
-                                "package")
-    if str(EXAMPLES) not in sys.path:  # this process stores the spec: it imports the task
-        sys.path.insert(0, str(EXAMPLES))
-    steps = 300 if quick else 1500
-    base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps, task="user_model:make",
-                           **{"sync.quorum": 1})
-    res = _overlap(base, [sys.executable, str(EXAMPLES / "own_loop.py")], quick,
-                   env={"PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(EXAMPLES.parent)])},
-                   syncer_args=["--task", "user_model:make"])
-    res["bench"] = "overlap-library"
-    res["learner"] = "examples/own_loop.py (user_model:make, default options)"
-    return res
-
-
-def _overlap(base: RunConfig, learner_cmd: list[str], quick: bool, env: dict | None = None,
-             syncer_args: list[str] | None = None, modes: tuple[str, ...] = ("on", "off")
-             ) -> dict:
-    """Steady steps/s of one learner per mode: "on" (syncing), "off" (``--no-sync``),
-    "secure" (syncing over TLS with ACL users, CURVE and signed contributions)."""
-    pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
-    steps = base.steps
-    env = {**os.environ, **(env or {})}
-    rates: dict[str, list[float]] = {m: [] for m in modes}
-    for rep in range(1 if quick else 2):
-        for mode in modes:
-            run = f"overlap-{mode}-{rep}"
-            with contextlib.ExitStack() as stack:
-                if mode == "secure":
-                    admin, _, redis_args, sec = _servers(stack, True, run, ["L0"])
-                    srv = sec.server
-                else:
-                    sec, srv = None, stack.enter_context(RedisServer(appendonly=True))
-                    admin, redis_args = srv.url, ["--redis-url", srv.url]
-                if pin:
-                    subprocess.run(["taskset", "-pc", "1", str(srv.proc.pid)],
-                                   capture_output=True, check=False)
-                store_run_config(admin, run, base)
-                cpu1 = ["taskset", "-c", "1"] if pin else []
-                cpu0 = ["taskset", "-c", "0"] if pin else []
-                syncer = subprocess.Popen([*cpu1, sys.executable, "-m", "workers.syncer",
-                                           *redis_args, "--run", run, *(syncer_args or [])],
-                                          stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, env=env)
-                learner_args = sec.learner_args("L0") if sec else ["--redis-url", srv.url]
-                learner = subprocess.Popen(
-                    [*cpu0, *learner_cmd, *learner_args, "--run", run, "--id", "L0",
-                     *(["--no-sync"] if mode == "off" else [])],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-                try:
-                    learner.wait(1800)
-                    syncer.wait(120)
-                finally:
-                    for proc in (learner, syncer):
-                        if proc.poll() is None:
-                            proc.kill()
-                r = connect(admin)
-                reports = registry.learner_final_reports(r, RunKeys(run))
-                rates[mode].append(reports["L0"].steps_per_s)
-    if "off" not in rates:
-        return {"steps": steps, "pinned": pin, **{f"steps_per_s_{m}": statistics.mean(v)
-                                                  for m, v in rates.items()},
-                "runs": rates}
-    on, off = statistics.mean(rates["on"]), statistics.mean(rates["off"])
-    return {"bench": "overlap", "learners": 1, "steps": steps, "pinned": pin,
-            "model": dataclasses.asdict(base.model), "sync": dataclasses.asdict(
-                base.effective_sync()),
-            "steps_per_s_sync_on": on, "steps_per_s_sync_off": off, "ratio": on / off,
-            "runs_on": rates["on"], "runs_off": rates["off"],
-            "note": "learner on CPU 0, syncer + redis-server on CPU 1; steady-state rate "
-                    "(the first, compiling step excluded)"}
-
-
 def curve_cost(size: int = 2 * 1024 * 1024, n: int = 60) -> dict:
     """What ZeroMQ CURVE adds to one published value: the median time of a `size`-byte message
     from a PUB to a SUB socket over loopback TCP, plain and with CURVE (encrypted by the
@@ -576,8 +471,10 @@ def bench_security(quick: bool = False) -> dict:
     steps = 300 if quick else 1500
     base = cfgmod.override(cfgmod.demo_config(), learners=1, steps=steps,
                            **{"sync.quorum": 1})
-    out["overlap"] = _overlap(base, [sys.executable, "-m", "workers.learner"], quick,
-                              modes=("on", "secure"))
+    from ops.bench.overlap import run_overlap
+
+    out["overlap"] = run_overlap(base, [sys.executable, "-m", "workers.learner"], quick,
+                                 modes=("on", "secure"))
     lo, ls = out["latency_open"], out["latency_secure"]
     out["throughput_ratio"] = ls["throughput_mb_s"] / lo["throughput_mb_s"]
     out["latency_p50_ratio"] = ls["latency_ms_p50"] / lo["latency_ms_p50"]

@@ -237,7 +237,7 @@ def _learner_loop(steps: int, quick: bool) -> dict[str, Any]:
     with the bare step measured just before and just after it (this VM's speed drifts by more
     than the effect within an hour). Throughput against throughput: the learner's steps over
     its wall time (the first, compiling step excluded) ÷ 1 / the bare step's mean."""
-    from ops.bench.pipeline import _overlap
+    from ops.bench.overlap import run_overlap
     from pipeline import config as cfgmod
     from pipeline.config import RunConfig
 
@@ -250,7 +250,7 @@ def _learner_loop(steps: int, quick: bool) -> dict[str, Any]:
 
     bares, loops = [bare()], []
     for _ in range(1 if quick else 3):
-        loops.append(_overlap(base, cmd, True, modes=("on",))["steps_per_s_on"])
+        loops.append(run_overlap(base, cmd, True, modes=("on",))["steps_per_s_on"])
         bares.append(bare())
     ratios = [lp / statistics.fmean(bares[i:i + 2]) for i, lp in enumerate(loops)]
     return {"steps": base.steps, "pinned": bool(shutil.which("taskset")),

@@ -13,14 +13,24 @@ import json
 import sys
 from pathlib import Path
 
-from ops.bench import accelerator, islands, lab, pipeline, quality, resilience, step, step_matrix
+from ops.bench import (
+    accelerator,
+    islands,
+    lab,
+    overlap,
+    pipeline,
+    quality,
+    resilience,
+    step,
+    step_matrix,
+)
 from ops.chaos import SPARE_AFTER_S, spare_options_problem
 from ops.cli.common import add_config_args, config_from_args, fail
 from ops.cli.live import LiveView, chaos_view
 from pipeline.config import ConfigError
 
-_PIPELINE = (("overlap", pipeline.bench_overlap, "learner step rate, syncing on ÷ off"),
-             ("overlap-library", pipeline.bench_overlap_library,
+_PIPELINE = (("overlap", overlap.bench_overlap, "learner step rate, syncing on ÷ off"),
+             ("overlap-library", overlap.bench_overlap_library,
               "the same for a hand-written loop around workers.island.Island"),
              ("islands", islands.bench_islands, "a 4-device island vs 4 one-device learners"),
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s ÷ raw XREADGROUP MB/s"),

@@ -99,7 +99,7 @@ def test_every_project_module_resolves_to_the_installed_package(installed):
                  "ops/deploy/k8s/diloco.yaml", "ops/deploy/slurm/diloco-learners.sbatch"):
         assert (site / name).is_file(), name
     # the examples (`diloco bench overlap-library` runs them) where that command finds them
-    code = "from ops.bench.pipeline import EXAMPLES; print(EXAMPLES)"
+    code = "from ops.bench.overlap import EXAMPLES; print(EXAMPLES)"
     examples = Path(_run([str(bin_dir / "python"), "-c", code], work, env).stdout.strip())
     assert examples == bin_dir.parent / "share" / "decoupled-diloco" / "examples"
     assert (examples / "own_loop.py").is_file() and (examples / "user_model.py").is_file()

@@ -130,22 +130,27 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
     keys = RunKeys("held")
     r = redis.Redis.from_url(redis_url)
     peak = {"sent": 0, "entries": 0, "state": 0}
+    kept = [0, 0]  # per fragment: the most entries held while its syncer had caught up
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            held = {"sent": 0, "entries": 0, "state": 0}
+            held = {"sent": 0, "state": 0}
             for p in range(2):
                 fk = keys.fragment(p)
                 held["sent"] += sum(r.strlen(k) for k in r.scan_iter(fk.sent(0)[:-1] + "*"))
                 held["sent"] += r.strlen(fk.global_)
-                # entries the syncer has read (the kept rounds and the open one): a backlog
-                # it has not read yet is its lag, which a syncer that keeps up does not have
-                # (the plan's syncer cores say whether it does; here 2 shared cores)
-                lag = sum(g.get("lag") or 0 for g in r.xinfo_groups(fk.frags)) \
-                    if r.exists(fk.frags) else 0
-                held["entries"] += (r.xlen(fk.frags) - lag) * value_bytes(cfg, sizes[p])["push"]
                 held["state"] += r.strlen(fk.state)
+                # the entries the plan counts are those a syncer that keeps up holds (the
+                # kept rounds, the open one, pushes in flight); one that lags, as it can on
+                # 2 shared cores, holds its backlog on top: sampled when it has caught up
+                try:
+                    groups = r.xinfo_groups(fk.frags)
+                except redis.ResponseError:  # no stream yet
+                    continue
+                if groups and all((g.get("lag") or 0) == 0 and g["pending"] <= 2
+                                  for g in groups):
+                    kept[p] = max(kept[p], r.xlen(fk.frags))
             for k, v in held.items():
                 peak[k] = max(peak[k], v)
             time.sleep(0.1)
@@ -161,6 +166,7 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
         stop.set()
         t.join()
     assert done.returncode == 0, done.stderr[-3000:]
+    peak["entries"] = sum(n * value_bytes(cfg, sizes[p])["push"] for p, n in enumerate(kept))
     s = cfg.effective_sync()
     entries = (max(10, 8) + 3) * 2
     versions = s.max_staleness + 8 + 1 + 1  # the :sent:<v> kept and :global
@@ -171,7 +177,7 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
     assert total == pytest.approx(sum(planned.values()))
     # the plan against the run's peak: the snapshots within 25 % (their headers: a few hundred
     # bytes), the entries under their bound and not far below it (pushes in flight come and
-    # go between samples; measured 0.78-0.98 of it here, the lower under a busy core)
+    # go between samples)
     assert peak["state"] == pytest.approx(planned["state"], rel=0.01)
     assert peak["sent"] == pytest.approx(planned["sent"], rel=0.25), (peak, planned)
     assert 0.5 * planned["entries"] <= peak["entries"] <= 1.1 * planned["entries"], (

@@ -196,7 +196,8 @@ def connect(url: str, *, socket_timeout_s: float = 10.0, block_ms: int = 0,
     return RedisCluster.from_url(url, retry=_retry(retries), **common)
 
 
-def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int) -> Limits:
+def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int,
+                 piece_bytes: int = 64 * 2**20) -> Limits:
     """The limits a single value meets on its way through this Redis: the server's
     ``proto-max-bulk-len`` where this user may read it (``CONFIG GET``), else Redis's default,
     said so in the refusal (`pipeline.capacity.check`).
@@ -210,11 +211,12 @@ def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int) -> Limit
             got = next(iter(got.values())) if got and isinstance(
                 next(iter(got.values())), dict) else got
         value = int(got["proto-max-bulk-len"])
-        return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len")
+        return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len", piece_bytes)
     except (redis.exceptions.NoPermissionError, redis.ResponseError, ClusterError,
             RedisClusterException, KeyError, TypeError, ValueError, StopIteration):
         return Limits(max_payload_bytes, REDIS_BULK_DEFAULT,
-                      "Redis's default proto-max-bulk-len (CONFIG GET not allowed here)")
+                      "Redis's default proto-max-bulk-len (CONFIG GET not allowed here)",
+                      piece_bytes)
 
 
 def is_cluster(r: redis.Redis) -> bool:

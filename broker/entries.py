@@ -1,12 +1,16 @@
 """Fragment-stream entries: one learner's contribution as Redis stream fields.
 
-The plain fields (:class:`EntryMeta`) plus one binary ``payload`` field holding
+The plain fields (:class:`EntryMeta`) plus the binary ``payload`` field holding
 :func:`broker.codec.pack_tensors`'s msgpack document, with its size and SHA-256 checked before
-the payload is decoded (:func:`parse_entry`).
+the payload is decoded (:func:`parse_entry`). A payload larger than ``broker.piece_bytes`` is
+split: ``payload`` holds its first piece, ``payload:1`` … ``payload:<n-1>`` the others and
+``pieces`` their number (``nbytes`` and ``sha256`` are the whole payload's), so no field meets
+Redis's limit on one value.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Mapping
@@ -15,6 +19,7 @@ from typing import Any
 
 from broker.codec import MAX_PAYLOAD_BYTES, is_int, pack_tensors, sha256_hex, unpack_tensors
 from broker.errors import DecodeError
+from broker.pieces import PIECE_BYTES
 from broker.untrusted import check_blob
 from broker.untrusted import short_repr as _r
 from pipeline.contribution import Contribution, Push
@@ -22,6 +27,8 @@ from pipeline.quant import CODECS, QTensor
 
 _INT_RE = re.compile(rb"[0-9]{1,19}")
 _ENTRY_INT_FIELDS = ("fragment", "base_version", "step", "steps", "tokens")
+PIECE_PREFIX = "payload:"  # the fields of a payload's second and later pieces
+MAX_PIECES = 4096
 
 
 @dataclass(frozen=True)
@@ -68,18 +75,20 @@ class EntryMeta:
                             chain=self.chain, final=self.final)
 
 
-def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, bytes | str | int]:
+def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor], *,
+                 piece_bytes: int = PIECE_BYTES) -> dict[str, bytes | str | int]:
     """Build the Redis stream entry of one outer gradient.
 
     Args:
         meta: The plain fields.
         tensors: The fragment's quantised tensors; all must use ``meta.codec``.
+        piece_bytes: A larger payload is split into pieces of this size.
 
     Returns:
         The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
-        sha256``, the binary ``payload``, then ``seconds`` and ``final`` (``0``/``1``) when
-        ``meta.seconds`` is reported, ``epoch`` when it is not 0 and ``chain`` when it is
-        not None.
+        sha256``, the binary ``payload`` (with ``pieces`` and ``payload:1`` … when split),
+        then ``seconds`` and ``final`` (``0``/``1``) when ``meta.seconds`` is reported,
+        ``epoch`` when it is not 0 and ``chain`` when it is not None.
 
     Raises:
         ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
@@ -101,6 +110,15 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
                                          and math.isfinite(meta.seconds) and meta.seconds >= 0):
         raise ValueError(f"seconds must be a finite number >= 0, got {meta.seconds!r}")
     payload = pack_tensors(tensors)
+    n = math.ceil(len(payload) / piece_bytes)
+    if n > MAX_PIECES:
+        raise ValueError(f"a payload of {len(payload)} bytes makes more than {MAX_PIECES} "
+                         f"pieces of broker.piece_bytes ({piece_bytes})")
+    view = memoryview(payload)
+    split = {} if n <= 1 else {
+        "payload": view[:piece_bytes], "pieces": n,
+        **{f"{PIECE_PREFIX}{i}": view[i * piece_bytes:(i + 1) * piece_bytes]
+           for i in range(1, n)}}
     return {
         "learner": meta.learner,
         **{field: int(getattr(meta, field)) for field in _ENTRY_INT_FIELDS},
@@ -108,6 +126,7 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor]) -> dict[str, b
         "nbytes": len(payload),
         "sha256": sha256_hex(payload),
         "payload": payload,
+        **split,
         # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
         **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
                                             "final": "1" if meta.final else "0"}),
@@ -153,6 +172,38 @@ def _int_field(fields: Mapping[Any, Any], key: str) -> int:
             f"field {_r(key)} is not a non-negative decimal integer: {_r(value[:32])}"
         )
     return int(value)
+
+
+def payload_pieces(fields: Mapping[Any, Any]) -> list[bytes | bytearray | memoryview]:
+    """The payload's pieces, in order (one for a payload written whole).
+
+    Raises:
+        DecodeError: ``pieces`` is out of range, or a piece is missing or not bytes.
+    """
+    n = _int_field(fields, "pieces") if _optional(fields, "pieces") is not None else 1
+    if not 1 <= n <= MAX_PIECES:
+        raise DecodeError(f"field 'pieces' must be from 1 to {MAX_PIECES}, got {n}")
+    parts = [_field(fields, "payload"), *(_field(fields, f"{PIECE_PREFIX}{i}")
+                                          for i in range(1, n))]
+    for part in parts:
+        check_blob(part, 2**62, "payload")
+    return parts
+
+
+def payload_size(fields: Mapping[Any, Any]) -> int:
+    """The payload's bytes, all pieces together (0: no well-formed payload)."""
+    try:
+        return sum(len(part) for part in payload_pieces(fields))
+    except DecodeError:
+        return 0
+
+
+def pieces_sha256(parts: list[bytes | bytearray | memoryview]) -> str:
+    """The hex SHA-256 of the pieces joined (without joining them)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
 
 
 def peek_key(fields: Mapping[Any, Any]) -> tuple[str, int, int] | None:
@@ -242,12 +293,16 @@ def parse_entry(
         raise DecodeError(f"unknown codec {_r(meta.codec)}")
     nbytes = _int_field(fields, "nbytes")
     sha = _text_field(fields, "sha256")
-    payload = _field(fields, "payload")
-    check_blob(payload, max_bytes, "payload")
-    if len(payload) != nbytes:
-        raise DecodeError(f"payload has {len(payload)} bytes, nbytes field says {nbytes}")
-    if (payload_sha256 or sha256_hex(payload)) != sha.lower():
+    parts = payload_pieces(fields)
+    size = sum(len(part) for part in parts)
+    if size > max_bytes:
+        raise DecodeError(f"payload of {size} bytes exceeds the limit of {max_bytes}")
+    if size != nbytes:
+        raise DecodeError(f"payload has {size} bytes, nbytes field says {nbytes}")
+    if (payload_sha256 or pieces_sha256(parts)) != sha.lower():
         raise DecodeError("payload sha256 mismatch")
+    payload = parts[0] if len(parts) == 1 else b"".join(parts)
+    del parts
     tensors = unpack_tensors(payload, max_bytes=max_bytes)
     for name, q in tensors.items():
         if q.codec != meta.codec:

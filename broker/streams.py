@@ -28,6 +28,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from broker import pieces
 from broker.errors import BrokerError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, RunKeys
@@ -98,8 +99,10 @@ class FragmentStreams:
     """Redis stream operations of one run's fragments."""
 
     def __init__(self, r: redis.Redis, keys: RunKeys, *, max_entries: int = 100_000,
-                 wait_replicas: int = 0, wait_timeout_ms: int = 1000):
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+                 piece_bytes: int = pieces.PIECE_BYTES):
         self.r = r
+        self.piece_bytes = piece_bytes  # a larger value is stored in pieces (`broker.pieces`)
         self.keys = keys
         self.max_entries = max_entries
         self.wait_replicas = wait_replicas
@@ -152,8 +155,9 @@ class FragmentStreams:
                              f"{self.wait_replicas} replicas within {self.wait_timeout_ms} ms")
         return as_text(entry_id)
 
-    def read_global(self, p: int) -> bytes | None:
-        return self.r.get(self.keys.fragment(p).global_)
+    def read_global(self, p: int, max_bytes: int) -> bytes | bytearray | None:
+        return pieces.read(self.r, self.keys.fragment(p).global_, max_bytes=max_bytes,
+                           what=f"fragment {p}'s snapshot")
 
     # -- syncer side ----------------------------------------------------------------------------
 
@@ -263,7 +267,8 @@ class FragmentStreams:
         (without its payload when not `keep_payload`: a flood of forged entries does not
         double in the DLQ)."""
         fk = self.keys.fragment(p)
-        fields = {k: v for k, v in entry.fields.items() if keep_payload or k != b"payload"}
+        fields = {k: v for k, v in entry.fields.items()
+                  if keep_payload or not (k == b"payload" or k.startswith(b"payload:"))}
         fields.update({b"dlq_reason": reason.encode(), b"dlq_source_id": entry.entry_id.encode()})
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(fk.dlq, fields, maxlen=self.max_entries, approximate=True)
@@ -300,15 +305,20 @@ class FragmentStreams:
         finally:
             pipe.reset()
 
-    def load_state(self, p: int) -> tuple[bytes | None, bytes | None]:
-        fk = self.keys.fragment(p)
-        state, snap = self.r.mget([fk.state, fk.global_])
-        return state, snap
+    def has_state(self, p: int) -> bool:
+        return bool(self.r.exists(self.keys.fragment(p).state))
 
-    def load_sent(self, p: int, versions: Iterable[int]) -> dict[int, bytes]:
+    def load_state(self, p: int, max_bytes: int) -> bytes | bytearray | None:
+        """The fragment's checkpoint (None: none yet), of at most `max_bytes` bytes."""
+        return pieces.read(self.r, self.keys.fragment(p).state, max_bytes=max_bytes,
+                           what=f"fragment {p}'s state")
+
+    def load_sent(self, p: int, versions: Iterable[int],
+                  max_bytes: int) -> dict[int, bytes | bytearray]:
         fk = self.keys.fragment(p)
         vs = list(versions)
-        blobs = self.r.mget([fk.sent(v) for v in vs]) if vs else []
+        blobs = pieces.read_many(self.r, [fk.sent(v) for v in vs], max_bytes=max_bytes,
+                                 what=f"fragment {p}'s snapshot")
         return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
 
     def commit_round(self, p: int, owner: str, *, state: bytes | None, snapshot: bytes,
@@ -341,6 +351,9 @@ class FragmentStreams:
             RoundsLost: Redis lacks the rounds before this one; nothing was written.
         """
         fk = self.keys.fragment(p)
+        values = {fk.sent(version): snapshot, **({} if state is None else {fk.state: state}),
+                  **{fk.sent(v): blob for v, blob in (extra_sent or {}).items()}}
+        staged = self._stage(values)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.rounds)
@@ -348,13 +361,11 @@ class FragmentStreams:
             if after is not None:
                 self._require_rounds(pipe, fk.rounds, p, after,
                                      f"the commit of v{version} follows v{after}")
+            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
-            if state is not None:
-                pipe.set(fk.state, state)
-            pipe.set(fk.sent(version), snapshot)
+            for key, blob in values.items():
+                pieces.queue_put(pipe, key, blob, staged[key])
             pipe.copy(fk.sent(version), fk.global_, replace=True)
-            for v, blob in (extra_sent or {}).items():
-                pipe.set(fk.sent(v), blob)
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
             if drop:
                 pipe.delete(*drop)
@@ -367,10 +378,12 @@ class FragmentStreams:
             if ack_ids:
                 pipe.xack(fk.frags, GROUP, *ack_ids)
             result = pipe.execute(raise_on_error=False)
+            staged.clear()
         except redis.WatchError as e:
             raise _fenced(e, p, "the commit") from e
         finally:
             pipe.reset()
+            pieces.drop_staged(self.r, staged.values())
         for res in result:
             if isinstance(res, redis.ResponseError) and "equal or smaller" not in str(res):
                 raise res  # anything but "this round record exists already"
@@ -387,42 +400,64 @@ class FragmentStreams:
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
+        staged = self._stage({fk.state: state})
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.rounds)
             self._check_lease(pipe.get(fk.lease), owner, p)
             self._require_rounds(pipe, fk.rounds, p, version,
                                  f"the checkpoint is of v{version}")
+            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
-            pipe.set(fk.state, state)
+            pieces.queue_put(pipe, fk.state, state, staged[fk.state])
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
             if drop:
                 pipe.delete(*drop)
             pipe.execute()
+            staged.clear()
         except redis.WatchError as e:
             raise _fenced(e, p, "the checkpoint") from e
         finally:
             pipe.reset()
+            pieces.drop_staged(self.r, staged.values())
 
     def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""
         fk = self.keys.fragment(p)
+        if self.r.exists(fk.state):
+            return False
+        values = {fk.state: state, fk.sent(0): snapshot}
+        staged = self._stage(values)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.state)
             self._check_lease(pipe.get(fk.lease), owner, p)
             if pipe.exists(fk.state):
                 return False
+            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
-            pipe.set(fk.state, state)
-            pipe.set(fk.global_, snapshot)
-            pipe.set(fk.sent(0), snapshot)
+            for key, blob in values.items():
+                pieces.queue_put(pipe, key, blob, staged[key])
+            pipe.copy(fk.sent(0), fk.global_, replace=True)
             pipe.execute()
+            staged.clear()
             return True
         except redis.WatchError as e:
             raise _fenced(e, p, "initialisation") from e
         finally:
             pipe.reset()
+            pieces.drop_staged(self.r, staged.values())
+
+    def _stage(self, values: Mapping[str, bytes | bytearray | memoryview]) -> dict[str, str | None]:
+        """Each value's staging key (`broker.pieces.stage`; None: written whole)."""
+        staged: dict[str, str | None] = {}
+        try:
+            for key, blob in values.items():
+                staged[key] = pieces.stage(self.r, key, blob, self.piece_bytes)
+        except BaseException:
+            pieces.drop_staged(self.r, staged.values())
+            raise
+        return staged
 
     @staticmethod
     def _require_rounds(pipe, key: str, p: int, version: int, what: str) -> None:

@@ -2,16 +2,18 @@
 before a run starts, so a model too large for its settings is refused in one line that names
 the setting that fixes it (not a broken pipe when the syncer writes version 0).
 
-Every value is carried whole today, one per Redis key or ZeroMQ message, so per fragment of n
-values (`value_bytes`):
+Per fragment of n values (`value_bytes`):
 
-* a push's payload: `codec_up` bytes (int4: n/2 + 4 bytes per block of `quant_block`);
+* a push's payload: `codec_up` bytes (int4: n/2 + 4 bytes per block of `quant_block`), in
+  the fields of one stream entry;
 * a published merged value: `codec_down` bytes; with `down_delta` the first one, and every
   snapshot a joining learner reads (`:global`, `:sent:<v>`), is the exact reference in fp32;
 * the syncer's checkpointed state (`:state`): Θ and the outer momentum in fp32, 8n bytes.
 
-The decoders bound a payload and a snapshot by `broker.max_payload_bytes`, a state by 4× that;
-Redis refuses a single value over its `proto-max-bulk-len` (512 MB unless configured).
+Pushes, snapshots and states are carried in pieces of `broker.piece_bytes` (`broker.pieces`,
+`broker.entries`): only a piece meets Redis's `proto-max-bulk-len` (512 MB unless configured).
+A push's payload, a published value and a snapshot are bounded by `broker.max_payload_bytes`;
+a state by what its fragment's values make it (`state_limit`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipeline.fragments import fragment_sizes, partition
 
 REDIS_BULK_DEFAULT = 512 * 2**20  # Redis's proto-max-bulk-len unless redis.conf raises it
 HEADROOM = 1 << 20  # msgpack framing, names, scales' headers: far below this per value
+STATE_HEADROOM = 64 << 20  # a state's bookkeeping (dedupe keys, merge records: 2**20 rows)
 MAX_FRAGMENTS = 1024  # the most fragments `sync.fragments` accepts
 
 
@@ -37,6 +40,7 @@ class Limits:
     max_payload_bytes: int
     redis_bulk_bytes: int = REDIS_BULK_DEFAULT
     redis_source: str = "Redis's default proto-max-bulk-len"
+    piece_bytes: int = 64 * 2**20
 
 
 def value_bytes(cfg: RunConfig, n: int) -> dict[str, int]:
@@ -54,6 +58,11 @@ def value_bytes(cfg: RunConfig, n: int) -> dict[str, int]:
             "publish_steady": coded(s.codec_down), "snapshot": snapshot, "state": 8 * n}
 
 
+def state_limit(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The largest checkpointed state a decoder accepts of a fragment of these tensors."""
+    return 8 * sum(math.prod(s) for s in shapes.values()) + STATE_HEADROOM
+
+
 def _problems(cfg: RunConfig, n: int, limits: Limits) -> list[tuple[str, int, int, str]]:
     """(what, bytes, limit, the limit's name) of each value of a fragment of `n` values that
     is over a limit."""
@@ -63,13 +72,7 @@ def _problems(cfg: RunConfig, n: int, limits: Limits) -> list[tuple[str, int, in
     for what, size, limit, name in (
             ("push payload", v["push"], ours, "broker.max_payload_bytes"),
             ("published value", v["publish"], ours, "broker.max_payload_bytes"),
-            ("snapshot", v["snapshot"], min(ours, limits.redis_bulk_bytes),
-             "broker.max_payload_bytes" if ours <= limits.redis_bulk_bytes
-             else limits.redis_source),
-            ("checkpointed state (Θ and outer momentum, fp32)", v["state"],
-             min(4 * ours, limits.redis_bulk_bytes),
-             "4 × broker.max_payload_bytes" if 4 * ours <= limits.redis_bulk_bytes
-             else limits.redis_source)):
+            ("snapshot", v["snapshot"], ours, "broker.max_payload_bytes")):
         if size + HEADROOM > limit:
             out.append((what, size, limit, name))
     return out
@@ -95,6 +98,10 @@ def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
           is_embedding: Callable[[str], bool], limits: Limits) -> str | None:
     """None if every fragment's values fit their paths; else one line: which value of which
     fragment is over which limit, and the setting that fixes it."""
+    if limits.piece_bytes > limits.redis_bulk_bytes:  # a piece is raw bytes: no framing
+        return (f"broker.piece_bytes ({_mb(limits.piece_bytes)}) does not fit one Redis value "
+                f"({limits.redis_source}: {_mb(limits.redis_bulk_bytes)}): lower "
+                f"broker.piece_bytes")
     fragments = cfg.effective_sync().fragments
     largest = _largest(cfg, shapes, is_embedding, fragments)
     if largest is None:
@@ -117,5 +124,4 @@ def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
     setting = ("broker.max_payload_bytes" if "max_payload_bytes" in name
                else "proto-max-bulk-len in redis.conf")
     return (f"{head}, and no number of fragments fits it (the tensor {biggest!r} alone holds "
-            f"{math.prod(shapes[biggest]):,} values): raise {setting} (values are not carried "
-            f"in pieces yet)")
+            f"{math.prod(shapes[biggest]):,} values): raise {setting}")

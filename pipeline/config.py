@@ -161,10 +161,8 @@ class SyncConfig:
     # The outer step of the rounds that merge a learner's last push (the final flush;
     # pipeline/syncer.py `FragmentSyncer.close`): "plain" (the default since 2026-12-04)
     # takes Θ ← Θ − lr·share·Δ without the momentum's look-ahead, which no later round would
-    # correct (the flush's pushes carry only the few steps taken since each last push);
-    # "nesterov" steps them like every other round. BENCHMARKS.md §1.3 measures both.
-    # Runs recorded before the field existed took "nesterov" ("before"): stored without it,
-    # they open with it (`from_stored`).
+    # correct; "nesterov" steps them like every other round (BENCHMARKS.md §1.3; runs
+    # recorded before the field existed open with it: "before").
     final_step: str = field(default="plain", metadata={**_rng(choices=FINAL_STEPS),
                                                        "added": True, "before": "nesterov"})
 
@@ -202,6 +200,8 @@ class BrokerConfig:
     stream_max_entries: int = field(default=100_000, metadata=_rng(10, 10**9))
     snapshot_timeout_s: float = field(default=10.0, metadata=_rng(0.01, 86_400.0))
     max_payload_bytes: int = field(default=256 * 2**20, metadata=_rng(1024, 2**34))
+    # a Redis value larger than this is stored in pieces of this size (`broker.pieces`)
+    piece_bytes: int = field(default=64 * 2**20, metadata=_rng(1024, 2**31))
     zmq_hwm: int = field(default=16, metadata=_rng(1, 1_000_000))
 
 

@@ -20,7 +20,7 @@ from typing import IO, Any, TypeVar
 import numpy as np
 import redis
 
-from broker import codec, registry
+from broker import codec, pieces, registry
 from broker.entries import EntryMeta, entry_fields
 from broker.keys import GROUP, FragmentKeys, RunKeys
 from broker.state import unpack_state
@@ -162,7 +162,7 @@ def dlq_entries(r: redis.Redis, fk: FragmentKeys) -> list[dict[bytes, bytes]]:
 
 def state_version(r: redis.Redis, fk: FragmentKeys) -> int | None:
     """The version of the fragment's checkpoint (its full state)."""
-    blob = r.get(fk.state)
+    blob = pieces.read(r, fk.state, max_bytes=2**34)
     return None if blob is None else int(unpack_state(blob)["version"])
 
 
@@ -174,7 +174,7 @@ def committed_version(r: redis.Redis, fk: FragmentKeys) -> int | None:
 
 def global_value(r: redis.Redis, fk: FragmentKeys) -> tuple[int, dict[str, np.ndarray]]:
     """(version, decoded values) of the fragment's `global` snapshot."""
-    blob = r.get(fk.global_)
+    blob = pieces.read(r, fk.global_, max_bytes=2**34)
     assert blob is not None, f"no global snapshot at {fk.global_}"
     header, tensors = codec.unpack_snapshot(blob)
     return header.version, {k: quant.dequantize(q) for k, q in tensors.items()}

@@ -42,13 +42,13 @@ def test_the_300m_model_is_refused_with_the_fragments_that_fit():
                          "62,914,560 values)"), said
     assert _check({**BIG, "sync.fragments": 5}) is not None  # 6 is the fewest
     assert _check({**BIG, "sync.fragments": 6}) is None
-    # or the payload bound raised instead: then Redis's value limit binds the state
-    said = _check({**BIG, "broker.max_payload_bytes": 2**31})
-    assert "checkpointed state" in said and "Redis's default proto-max-bulk-len" in said, said
+    # or the payload bound raised instead: the state (800 MB, over Redis's 512 MB for one
+    # value) is stored in pieces of broker.piece_bytes
+    assert _check({**BIG, "broker.max_payload_bytes": 2**31}) is None
 
 
 def test_a_tensor_too_large_for_any_fragment_names_the_limit_to_raise():
-    limits = capacity.Limits(2**20, 2**20, "Redis's proto-max-bulk-len")
+    limits = capacity.Limits(2**20, 2**20, "Redis's proto-max-bulk-len", piece_bytes=2**18)
     said = _check({}, limits)  # the default model: its largest tensor has 65,536 values
     assert said is not None and "set sync.fragments" not in said
     assert "no number of fragments fits it" in said and "raise broker.max_payload_bytes" in said
@@ -102,7 +102,9 @@ def test_redis_limit_is_read_and_the_syncer_refuses_a_run_stored_without_the_che
         "Redis's proto-max-bulk-len"
     cfg = cfgmod.RunConfig()  # the default model: a fragment's state is ~1.8 MB
     said = _check({}, limits)
-    assert said is not None and "over Redis's proto-max-bulk-len (1 MiB)" in said, said
+    assert said == ("broker.piece_bytes (64 MiB) does not fit one Redis value (Redis's "
+                    "proto-max-bulk-len: 1 MiB): lower broker.piece_bytes"), said
+    assert _check({}, capacity.Limits(256 * 2**20, 2**20, "x", piece_bytes=2**18)) is None
     # stored as an earlier version's `init` would have: the syncer refuses before any write
     registry.store_config(r, RunKeys("old"), cfgmod.dumps_toml(cfg), cfg.run_hash())
     with caplog.at_level(logging.ERROR, logger="workers.syncer"):
@@ -130,7 +132,33 @@ def test_a_value_over_redis_limit_is_an_outage_not_a_lost_lease(small_bulk_redis
     with pytest.raises(redis.ConnectionError) as err:
         streams.init_fragment(0, "s0", state=b"\0" * (2 << 20), snapshot=b"x")
     assert not isinstance(err.value, LeaseLost)
-    assert streams.load_state(0)[0] is None  # nothing half-written
+    assert streams.load_state(0, 2**30) is None  # nothing half-written
+    r.close()
+
+
+def test_a_value_over_redis_limit_goes_in_pieces(small_bulk_redis):
+    """The same values over the same 1 MB limit, with pieces of 256 KiB: written, read back
+    whole, replaced whole."""
+    from broker import pieces
+    from broker.connection import connect
+    from broker.keys import RunKeys
+    from broker.streams import FragmentStreams
+
+    r = connect(small_bulk_redis.url)
+    keys = RunKeys("big")
+    streams = FragmentStreams(r, keys, piece_bytes=2**18)
+    state, snap = bytes(range(256)) * (2 << 12), b"s" * (3 << 20)
+    assert streams.acquire_lease(0, "s0", 10_000)
+    assert streams.init_fragment(0, "s0", state=state, snapshot=snap)
+    assert streams.load_state(0, 2**30) == state and streams.read_global(0, 2**30) == snap
+    assert r.type(keys.fragment(0).state) == b"hash" and r.hlen(keys.fragment(0).state) == 9
+    new = b"n" * ((2 << 20) + 5)
+    streams.commit_round(0, "s0", state=new, snapshot=b"tiny", version=1,
+                         record={"version": 1}, ack_ids=[])
+    assert streams.load_state(0, 2**30) == new and streams.read_global(0, 2**30) == b"tiny"
+    assert pieces.nbytes(r, keys.fragment(0).state) == len(new)
+    assert streams.load_sent(0, [0, 1], 2**30) == {0: snap, 1: b"tiny"}
+    assert not list(r.scan_iter("*staging*"))
     r.close()
 
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from broker import pieces
 from broker.codec import pack_tensors
 from ops.cli import main
 from ops.cli.plan import _count
@@ -138,9 +139,10 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
             held = {"sent": 0, "state": 0}
             for p in range(2):
                 fk = keys.fragment(p)
-                held["sent"] += sum(r.strlen(k) for k in r.scan_iter(fk.sent(0)[:-1] + "*"))
-                held["sent"] += r.strlen(fk.global_)
-                held["state"] += r.strlen(fk.state)
+                held["sent"] += sum(pieces.nbytes(r, k)
+                                    for k in r.scan_iter(fk.sent(0)[:-1] + "*"))
+                held["sent"] += pieces.nbytes(r, fk.global_)
+                held["state"] += pieces.nbytes(r, fk.state)
                 # the entries the plan counts are those a syncer that keeps up holds (the
                 # kept rounds, the open one, pushes in flight); one that lags, as it can on
                 # 2 shared cores, holds its backlog on top: sampled when it has caught up

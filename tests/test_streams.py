@@ -205,8 +205,8 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
     assert json.loads(rec[b"included"]) == [[i, "L"] for i in ids]
     assert rec[b"version"] == b"1" and rec[b"reason"] == b"test" and float(rec[b"t"]) == 1.5
     assert xpending_count(r, fk) == 1
-    assert fs.load_state(P) == (b"STATE1", b"SNAP1")
-    assert fs.load_sent(P, [0, 1, 2]) == {1: b"SNAP1"}
+    assert fs.load_state(P, 100) == b"STATE1" and fs.read_global(P, 100) == b"SNAP1"
+    assert fs.load_sent(P, [0, 1, 2], 100) == {1: b"SNAP1"}
 
     # a commit without acks returns the record id too (the last reply, not an XACK count)
     rid2 = fs.commit_round(P, "syncer-0", state=b"STATE2", snapshot=b"SNAP2", version=2,
@@ -249,7 +249,7 @@ def test_init_fragment_once_and_fenced(r, keys, fs):
     assert fs.init_fragment(P, "syncer-0", state=b"S0", snapshot=b"G0") is True
     assert fs.init_fragment(P, "syncer-0", state=b"S1", snapshot=b"G1") is False
     assert (r.get(fk.state), r.get(fk.global_), r.get(fk.sent(0))) == (b"S0", b"G0", b"G0")
-    assert fs.read_global(P) == b"G0"
+    assert fs.read_global(P, 100) == b"G0"
 
 
 # ------------------------------------------------------------------------- dead letters

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from broker import codec, registry
+from broker import codec, pieces, registry
 from broker.archive import fsync_dir
 from broker.connection import URL_ENV, connect, redact, resolve_tls_files, url_from_env
 from broker.keys import RunKeys
@@ -232,10 +232,11 @@ def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
 
 def read_snapshot(ctx: RunContext, p: int) -> tuple[int, dict[str, np.ndarray]] | None:
     """(version, decoded values) of fragment p's latest published value, or None."""
-    blob = ctx.r.get(ctx.keys.fragment(p).global_)
+    limit = ctx.cfg.broker.max_payload_bytes
+    blob = pieces.read(ctx.r, ctx.keys.fragment(p).global_, max_bytes=limit, what="snapshot")
     if blob is None:
         return None
-    header, tensors = codec.unpack_snapshot(blob, max_bytes=ctx.cfg.broker.max_payload_bytes)
+    header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
     return header.version, decode_values(tensors)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import redis
 import zmq
 
-from broker import codec, registry, signing
+from broker import codec, pieces, registry, signing
 from broker.connection import OUTAGE, quick
 from broker.entries import EntryMeta, entry_fields
 from broker.errors import BrokerError, DecodeError, Superseded
@@ -136,8 +136,7 @@ class Island:
     def __init__(self, cfg: IslandConfig, *, ctx: RunContext | None = None,
                  zctx: zmq.Context | None = None, place: Placer | None = None):
         self.cfg = cfg
-        self.ctx = ctx or open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s,
-                                   task=cfg.task)
+        self.ctx = ctx or open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task)
         self._own_zctx = zctx is None
         self.zctx = zctx or zmq.Context()
         self.run_cfg = self.ctx.cfg
@@ -431,11 +430,12 @@ class Island:
             rec = registry.merged(r, self.ctx.keys, self.id, p)
             if rec is None or (rec.base_version, rec.step) != f.key:
                 return None
-            blob = r.get(fk.sent(rec.version)) or r.get(fk.global_)
+            limit = self.run_cfg.broker.max_payload_bytes
+            blob = (pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
+                    or pieces.read(r, fk.global_, max_bytes=limit, what="snapshot"))
             if blob is None:
                 return None
-            header, tensors = codec.unpack_snapshot(
-                blob, max_bytes=self.run_cfg.broker.max_payload_bytes)
+            header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
         except (redis.RedisError, *OUTAGE) as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing at the fragment's next turn", self.id, f.key[1], p, e)
@@ -509,7 +509,7 @@ class Island:
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
         meta = EntryMeta.of_push(self.id, push, self.sync.codec_up,
                                        seconds=push.seconds, final=final, epoch=self.epoch)
-        fields = entry_fields(meta, push.payload)
+        fields = entry_fields(meta, push.payload, piece_bytes=self.run_cfg.broker.piece_bytes)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
         self.net.push(push.fragment, fields)

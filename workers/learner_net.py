@@ -79,7 +79,8 @@ class LearnerNet(threading.Thread):
         self.bcfg = ctx.cfg.broker
         self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries,
                                        wait_replicas=self.bcfg.wait_replicas,
-                                       wait_timeout_ms=self.bcfg.wait_timeout_ms)
+                                       wait_timeout_ms=self.bcfg.wait_timeout_ms,
+                                       piece_bytes=self.bcfg.piece_bytes)
         self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
                               max_bytes=self.bcfg.max_payload_bytes, curve=curve)
         self.outbox: queue.Queue = queue.Queue()
@@ -303,12 +304,12 @@ class LearnerNet(threading.Thread):
             except queue.Empty:
                 break
         for p in sorted(wanted):
-            blob = self.streams.read_global(p)
-            if blob is None:
-                continue
-            self.stats.snapshots_read += 1
-            self.stats.snapshot_bytes += len(blob)
             try:
+                blob = self.streams.read_global(p, self.bcfg.max_payload_bytes)
+                if blob is None:
+                    continue
+                self.stats.snapshots_read += 1
+                self.stats.snapshot_bytes += len(blob)
                 header, tensors = codec.unpack_snapshot(blob,
                                                         max_bytes=self.bcfg.max_payload_bytes)
             except DecodeError as e:

@@ -26,14 +26,14 @@ from typing import Any
 import redis
 
 from broker import archive as archmod
-from broker import codec
-from broker.entries import parse_entry
+from broker import codec, pieces
+from broker.entries import parse_entry, payload_size
 from broker.errors import BrokerError, DecodeError
 from broker.ids import as_text
 from broker.keys import FragmentKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
-from pipeline import quant
+from pipeline import capacity, quant
 from pipeline.config import RunConfig
 from pipeline.downlink import full_value
 from pipeline.guard import fragment_prior
@@ -138,7 +138,7 @@ def replay_round(core: FragmentSyncer, rec: RoundRecord, inputs: Mapping[str, tu
             check.bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
                       f"{meta.fragment}, the record says learner {learner!r} fragment {p}")
         c = meta.contribution(tensors, entry_id=entry_id,
-                              nbytes=len(fields.get(b"payload", b"")))
+                              nbytes=payload_size(fields))
         ok, why = core.offer(c, 0.0)
         row["accepted"], row["refusal"] = ok, None if ok else why
         if not ok:
@@ -189,7 +189,7 @@ def restore_checkpoint(blob: bytes, cfg: RunConfig, shapes: Mapping[str, tuple[i
     Raises:
         DecodeError: The checkpoint or a snapshot is malformed.
     """
-    state = unpack_state(blob, max_bytes=4 * max_bytes, shapes=shapes)
+    state = unpack_state(blob, max_bytes=capacity.state_limit(shapes), shapes=shapes)
     history = {}
     for v, snap in sent.items():
         header, tensors = codec.unpack_snapshot(snap, max_bytes=max_bytes)
@@ -219,15 +219,18 @@ def recover(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,
             from its record.
     """
     max_bytes = cfg.broker.max_payload_bytes
-    if blob is None:
-        blob = r.get(fk.state)
-    if blob is None:
-        raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
     try:
-        version = int(unpack_state(blob, max_bytes=4 * max_bytes, shapes=shapes)["version"])
+        if blob is None:
+            blob = pieces.read(r, fk.state, max_bytes=capacity.state_limit(shapes),
+                               what=f"fragment {fk.fragment}'s state")
+        if blob is None:
+            raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
+        version = int(unpack_state(blob, max_bytes=capacity.state_limit(shapes),
+                                   shapes=shapes)["version"])
         lo = max(0, version - cfg.effective_sync().max_staleness)
         vs = list(range(lo, version + 1))
-        sent = {v: b for v, b in zip(vs, r.mget([fk.sent(v) for v in vs]), strict=True)
+        sent = {v: b for v, b in zip(vs, pieces.read_many(
+            r, [fk.sent(v) for v in vs], max_bytes=max_bytes, what="snapshot"), strict=True)
                 if b is not None}
         core = restore_checkpoint(blob, cfg, shapes, is_embedding, sent, max_bytes)
     except DecodeError as e:

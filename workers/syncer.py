@@ -23,7 +23,7 @@ import zmq
 
 from broker import archive, codec, registry, signing
 from broker.connection import OUTAGE, value_limits
-from broker.entries import EntryMeta, parse_entry, peek_key
+from broker.entries import EntryMeta, parse_entry, payload_size, peek_key
 from broker.errors import DecodeError
 from broker.ids import id_key
 from broker.pubsub import Publisher
@@ -72,7 +72,8 @@ class Syncer:
         self.run_cfg = ctx.cfg
         self.sync = ctx.cfg.effective_sync()
         self.bcfg = ctx.cfg.broker
-        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries)
+        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries,
+                                       piece_bytes=self.bcfg.piece_bytes)
         # no fragment list: the fragments are shared with the run's other such syncers
         # (`_rebalance`); else exactly these, standing by while another syncer holds them
         self.auto = not cfg.fragments
@@ -113,7 +114,7 @@ class Syncer:
             self._rebalance(force=True)
         else:
             for p in self.cfg.fragments:
-                if self.streams.load_state(p)[0] is None:
+                if not self.streams.has_state(p):
                     self._init_params()  # before any lease: JAX can outlast a short lease
             for p in self.cfg.fragments:
                 while not self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms):
@@ -141,7 +142,7 @@ class Syncer:
         merged once (an owner that lost its lease cannot commit them)."""
         for p in ps:
             self.streams.ensure_group(p)
-            state_blob, _ = self.streams.load_state(p)
+            state_blob = self.streams.load_state(p, limit := capacity.state_limit(self._shapes(p)))
             if state_blob is None:
                 init = self._init_params()
                 core = FragmentSyncer(p, {n: init[n] for n in self.ctx.fragments[p]},
@@ -151,7 +152,7 @@ class Syncer:
                 self.streams.acquire_lease(p, self.cfg.syncer_id, self.bcfg.lease_ms)
                 self.streams.init_fragment(p, self.cfg.syncer_id, state=self._state_blob(core),
                                            snapshot=self._snapshot(core))
-                state_blob, _ = self.streams.load_state(p)
+                state_blob = self.streams.load_state(p, limit)
             f = self.frags[p] = self._recover(p, state_blob)
             f.snapshots[f.core.version] = self._snapshot(f.core)
             f.final_seen |= self._finals_done(p)
@@ -246,7 +247,7 @@ class Syncer:
             if not f.core.contributors or now - since > self.bcfg.lease_ms / 1000:
                 self._drop(p, release=True)
         want = sorted(mine - set(self.owned) - closed)
-        if want and any(self.streams.load_state(p)[0] is None for p in want):
+        if want and not all(self.streams.has_state(p) for p in want):
             self._init_params()  # before any lease: JAX can outlast a short lease
         got = [p for p in want if self.streams.acquire_lease(p, me, self.bcfg.lease_ms)]
         if got:
@@ -365,8 +366,7 @@ class Syncer:
         limit = self.bcfg.max_payload_bytes
         skip = [(f := self.frags.get(e.fragment)) is None or self._defer_unparsed(f, e)
                 for e in entries]
-        return self._hasher.map(lambda e, s: None if s else payload_digest(e, limit),
-                                entries, skip)
+        return self._hasher.map(lambda e, s: None if s else payload_digest(e, limit), entries, skip)
 
     def _dead_letter(self, e: Entry, reason: str, keep_payload: bool = True) -> None:
         log.warning("fragment %d entry %s dead-lettered: %s", e.fragment, e.entry_id, reason)
@@ -399,7 +399,7 @@ class Syncer:
         if self._fenced(e, meta):
             return
         c = meta.contribution(tensors, entry_id=e.entry_id,
-                              nbytes=len(e.fields.get(b"payload", b"")))
+                              nbytes=payload_size(e.fields))
         limit = self.declared.get(meta.learner) or self.ctx.task.tokens_per_step()
         try:
             ok, reason = f.core.offer(c, time.monotonic(), limit)
@@ -820,9 +820,9 @@ class Syncer:
         v = recovery.committed_version(self.ctx.r, self.ctx.keys.fragment(p))
         if v is not None:
             return v
-        blob, _ = self.streams.load_state(p)
+        blob = self.streams.load_state(p, limit := capacity.state_limit(self._shapes(p)))
         return -1 if blob is None else int(unpack_state(
-            blob, max_bytes=4 * self.bcfg.max_payload_bytes, shapes=self._shapes(p))["version"])
+            blob, max_bytes=limit, shapes=self._shapes(p))["version"])
 
     def _resync(self) -> None:
         """After an outage: re-create groups, retake leases, re-commit rounds Redis lost."""
@@ -866,8 +866,8 @@ def main(cfg: SyncerConfig) -> int:
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task)
     # a run stored without the check (an earlier version's `init`) meets it here, before any
     # value is written: one line naming the setting, not a broken pipe at version 0
-    refused = capacity.check(ctx.cfg, ctx.shapes, ctx.task.is_embedding,
-                             value_limits(ctx.r, ctx.cfg.broker.max_payload_bytes))
+    refused = capacity.check(ctx.cfg, ctx.shapes, ctx.task.is_embedding, value_limits(
+        ctx.r, ctx.cfg.broker.max_payload_bytes, ctx.cfg.broker.piece_bytes))
     if refused:
         log.error("run %r cannot start: %s", cfg.run, refused)
         return 2

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from broker import codec
-from broker.entries import EntryMeta
+from broker.entries import EntryMeta, payload_pieces, pieces_sha256
+from broker.errors import DecodeError
 from broker.streams import Entry
 from pipeline.syncer import FragmentSyncer
 
@@ -53,7 +53,8 @@ class FragState:
 def payload_digest(e: Entry, limit: int) -> str | None:
     """sha256 hex of an entry's payload; None when it is missing or oversized (parse_entry
     then reports it)."""
-    payload = e.fields.get(b"payload")
-    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > limit:
+    try:
+        parts = payload_pieces(e.fields)
+    except DecodeError:
         return None
-    return codec.sha256_hex(payload)
+    return None if sum(map(len, parts)) > limit else pieces_sha256(parts)

@@ -51,11 +51,10 @@ def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list
     versions = []
     for p, names in enumerate(fragments):
         fk = keys.fragment(p)
-        blob = r.get(fk.state)
-        if blob is None:
+        if not r.exists(fk.state):
             raise BrokerError(f"fragment {p} has no committed state")
         rec = recover(r, fk, cfg, {n: shapes[n] for n in names}, is_embedding,
-                      archive_dir=cfg.broker.archive_dir or None, blob=blob)
+                      archive_dir=cfg.broker.archive_dir or None)
         params.update({k: np.asarray(v, np.float32) for k, v in rec.core.theta.items()})
         versions.append(rec.core.version)
     return params, versions
@@ -73,7 +72,8 @@ def store_run_config(redis_url: str, run: str, cfg: RunConfig) -> bool:
     r = connect(redis_url)
     try:
         refused = capacity.check(cfg, task.param_shapes(), task.is_embedding,
-                                 value_limits(r, cfg.broker.max_payload_bytes))
+                                 value_limits(r, cfg.broker.max_payload_bytes,
+                                              cfg.broker.piece_bytes))
         if refused:
             raise cfgmod.ConfigError(refused)
         return registry.store_config(r, RunKeys(run), cfgmod.dumps_toml(cfg), cfg.run_hash(),

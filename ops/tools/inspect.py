@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from broker.entries import parse_entry
+from broker.entries import parse_entry, payload_size
 from broker.errors import DecodeError
 from broker.ids import as_text, id_key
 from broker.keys import GROUP, FragmentKeys, RunKeys
@@ -144,13 +144,12 @@ def _read_stream(r: redis.Redis, key: str, limit: int) -> list[tuple[str, dict]]
 
 def _entry_record(p: int, entry_id: str, fields: dict, now_s: float) -> dict[str, Any]:
     """The documented per-entry record, before group and round information is added."""
-    payload = fields.get(b"payload")
     codec = as_text(fields.get(b"codec"))
     return {
         "id": entry_id, "fragment": p, "learner": as_text(fields.get(b"learner")),
         "base_version": _int(fields, "base_version"), "step": _int(fields, "step"),
         "steps": _int(fields, "steps"), "tokens": _int(fields, "tokens"), "codec": codec,
-        "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
+        "payload_bytes": payload_size(fields),
         "entry_bytes": sum(len(k) + len(v) for k, v in fields.items()),
         "seconds": _float(fields, "seconds"), "final": _int(fields, "final") == 1,
         "epoch": _int(fields, "epoch"), "chain": _int(fields, "chain"),
@@ -315,7 +314,6 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
         raise KeyError(f"entry {entry_id} is in neither the stream nor the dead-letter stream "
                        f"of fragment {fragment}")
     fields, dead = found
-    payload = fields.get(b"payload")
     out: dict[str, Any] = {
         "run": run, "fragment": fragment, "id": entry_id, "dead_letter": dead,
         "dlq_reason": as_text(fields.get(b"dlq_reason")),
@@ -323,7 +321,7 @@ def entry_stats(redis_url: str, run: str, fragment: int, entry_id: str,
         **{k: _int(fields, k) for k in ("base_version", "step", "steps", "tokens", "epoch",
                                         "chain")},
         "codec": as_text(fields.get(b"codec")),
-        "payload_bytes": len(payload) if isinstance(payload, bytes) else 0,
+        "payload_bytes": payload_size(fields),
         "decode_error": None, "tensors": [], "total": {"numel": 0, "l2_norm": 0.0,
                                                        "finite": True},
     }

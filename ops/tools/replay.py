@@ -32,12 +32,13 @@ import numpy as np
 import redis
 
 from broker import archive as archmod
-from broker import codec
+from broker import codec, pieces
 from broker.errors import BrokerError, DecodeError
 from broker.ids import id_key
 from broker.keys import FragmentKeys, RunKeys
 from broker.records import RoundRecord
 from broker.state import unpack_state
+from pipeline import capacity
 from pipeline import config as cfgmod
 from pipeline.guard import fragment_prior
 from pipeline.quant import tensors_hash
@@ -224,7 +225,8 @@ class _Replay:
 
     def _check_snapshot(self, version: int, recomputed: str) -> str | None:
         """Compare with the `sent:<version>` snapshot if Redis still holds it."""
-        blob = self.r.get(self.fk.sent(version))
+        blob = pieces.read(self.r, self.fk.sent(version), max_bytes=self.max_bytes,
+                           what="snapshot")
         if blob is None:
             return None
         header, tensors = codec.unpack_snapshot(blob, max_bytes=self.max_bytes)
@@ -238,11 +240,12 @@ class _Replay:
 
     def _stored_state(self) -> dict | None:
         """The fragment's checkpointed state (the syncer writes it every few rounds)."""
-        blob = self.r.get(self.fk.state)
+        shapes = {n: v.shape for n, v in self.theta0.items()}
+        blob = pieces.read(self.r, self.fk.state, max_bytes=capacity.state_limit(shapes),
+                           what="state")
         if blob is None:
             return None
-        return unpack_state(blob, max_bytes=4 * self.max_bytes,
-                            shapes={n: v.shape for n, v in self.theta0.items()})
+        return unpack_state(blob, max_bytes=capacity.state_limit(shapes), shapes=shapes)
 
     def _check_state(self, core: FragmentSyncer, state: dict) -> None:
         """At the checkpoint's version: the fp32 Θ and the outer momentum must match exactly."""

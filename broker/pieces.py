@@ -172,7 +172,12 @@ def read(r: redis.Redis, key: str, *, max_bytes: int, what: str = "value") -> \
             if blob is not None:
                 check_blob(blob, max_bytes, what)
             return blob
-        raw = r.hget(key, MANIFEST)
+        try:
+            raw = r.hget(key, MANIFEST)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            raise DecodeError(f"{what} at {key}: neither a string nor a value in pieces") from e
         if raw is None:
             problem = "it has no manifest"
             continue  # replaced by a string, or deleted, since the GET
@@ -181,7 +186,12 @@ def read(r: redis.Redis, key: str, *, max_bytes: int, what: str = "value") -> \
         view = memoryview(out)
         for i, sha in enumerate(man.sha256):
             start, length = man.span(i)
-            piece = r.hget(key, str(i))
+            try:
+                piece = r.hget(key, str(i))
+            except redis.ResponseError as e:  # replaced by a string since the manifest
+                if "WRONGTYPE" not in str(e):
+                    raise
+                piece = None
             if piece is None or len(piece) != length or \
                     hashlib.sha256(piece).hexdigest() != sha:
                 problem = f"piece {i} does not match the manifest"

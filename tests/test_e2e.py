@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from broker.connection import connect
+from broker.keys import RunKeys
 from ops.cluster.artifacts import load_checkpoint
 from pipeline import config as cfgmod
 from pipeline.data import run_corpus
@@ -38,9 +40,16 @@ def diloco(*args: str, timeout: int = 240) -> dict:
 
 
 def test_three_learners_and_a_syncer_as_processes(tmp_path, redis_url):
-    cfg_path = write_config(tmp_path, learners=3, steps=60)
+    """Every value larger than 4 KiB — pushes, snapshots, states — goes in pieces."""
+    cfg_path = write_config(tmp_path, learners=3, steps=60, broker={"piece_bytes": 4096})
     s = diloco("run", "--config", cfg_path, "--redis-url", redis_url, "--run", "e2e",
                "--out", str(tmp_path / "runs"), "--json")
+    r = connect(redis_url)
+    fk = RunKeys("e2e").fragment(0)
+    assert r.type(fk.state) == r.type(fk.global_) == b"hash", r.type(fk.state)
+    assert r.hget(fk.state, "0") is not None and not list(r.scan_iter("*staging*"))
+    assert any(b"pieces" in fields for _, fields in r.xrange(fk.frags))
+    r.close()
     assert s["mode"] == "decoupled" and s["learners"] == 3
     assert s["tokens"] == 3 * 60 * 8 * 32
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5

@@ -138,7 +138,9 @@ def queue_put(pipe, key: str, blob: bytes | bytearray | memoryview, staged: str 
     if staged is None:
         pipe.set(key, blob)
     else:
-        pipe.rename(staged, key)
+        # (the command itself: redis-py's cluster pipeline blocks its `rename` method, though
+        # both keys share one slot)
+        pipe.execute_command("RENAME", staged, key)
         pipe.persist(key)
 
 

@@ -72,10 +72,12 @@ def test_a_run_on_the_cluster_equals_the_inprocess_engine_and_replays(cluster, t
     """Three learners, four fragments (spread over the three masters), K = M, strict, the
     int4 delta down link (every learner must rebuild the syncer's value bit for bit): the
     learners end on identical values, which equal the in-process engine's bit for bit, and
-    replay verifies every round."""
+    replay verifies every round. Values over 4 KiB go in pieces: a piece's staging key shares
+    its value's slot, so the commit renames it there."""
     cfg = cfgmod.from_dict({**TINY, "learners": 3, "steps": 24,
                             "sync": {**TINY["sync"], "quorum": 3, "strict": True,
-                                     "down_delta": True, "codec_down": "int4"}})
+                                     "down_delta": True, "codec_down": "int4"},
+                            "broker": {"piece_bytes": 4096}})
     path = tmp_path / "run.toml"
     path.write_text(cfgmod.dumps_toml(cfg))
     out = subprocess.run(

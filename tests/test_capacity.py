@@ -122,9 +122,10 @@ def test_a_value_over_redis_limit_is_an_outage_not_a_lost_lease(small_bulk_redis
     fenced writes said "lease changed" for it. A value Redis refuses is not a lost lease."""
     import redis
 
+    from broker.commit import LeaseLost
     from broker.connection import connect
     from broker.keys import RunKeys
-    from broker.streams import FragmentStreams, LeaseLost
+    from broker.streams import FragmentStreams
 
     r = connect(small_bulk_redis.url)
     streams = FragmentStreams(r, RunKeys("big"))

@@ -19,12 +19,13 @@ from helpers_broker import (
 )
 
 from broker import codec, registry
+from broker.commit import LeaseLost
 from broker.connection import connect
 from broker.entries import EntryMeta, parse_entry
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
 from broker.records import Heartbeat, Merged, SyncerInfo
-from broker.streams import FragmentStreams, LeaseLost
+from broker.streams import FragmentStreams
 from pipeline import config as cfgmod
 
 RUN = "streams"

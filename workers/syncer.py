@@ -22,6 +22,7 @@ import redis
 import zmq
 
 from broker import archive, codec, registry, signing
+from broker.commit import LeaseLost, RoundsLost
 from broker.connection import OUTAGE, value_limits
 from broker.entries import EntryMeta, parse_entry, payload_size, peek_key
 from broker.errors import DecodeError
@@ -37,7 +38,7 @@ from broker.records import (
     SyncerInfo,
 )
 from broker.state import pack_state, unpack_state
-from broker.streams import Entry, FragmentStreams, LeaseLost, RoundsLost
+from broker.streams import Entry, FragmentStreams
 from pipeline import capacity, kernels
 from pipeline.fragments import assign, fragment_sizes
 from pipeline.guard import fragment_prior
@@ -420,8 +421,7 @@ class Syncer:
                 f.core.note_duplicate(e.entry_id)
                 self.stats.duplicated += 1
             else:  # the learner may be waiting for this push's merged value: tell it
-                self._note_refused(meta.learner, e.fragment, meta.base_version, meta.step,
-                                   reason)
+                self._note_refused(meta.learner, e.fragment, meta.base_version, meta.step, reason)
             f.ack_extra.append(e.entry_id)
             self.stats.dropped += 1
 

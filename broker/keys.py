@@ -58,6 +58,9 @@ Per-fragment keys:
                                                 ``broker.checkpoint_rounds`` rounds; the rounds
                                                 since are replayed from ``:rounds``
 ``ddl:{<run>/fNNNN}:global``          string    snapshot of the latest published value
+``<key>:staging:<token>``             hash      the pieces of a new value of ``:state``,
+                                                ``:global`` or ``:sent:<v>``, before its
+                                                commit renames it over that key (expires)
 ``ddl:{<run>/fNNNN}:sent:<version>``  string    snapshot of a recent version (anchors stale
                                                 contributions; kept from max_staleness versions
                                                 before the older of the version and the
@@ -72,6 +75,10 @@ Per-fragment keys:
 ``ddl:{<run>/fNNNN}:lease``           string    id of the syncer that owns the fragment (PX)
 ====================================  ========  ==============================================
 
+``:state``, ``:global`` and ``:sent:<v>`` are strings, or hashes of pieces when larger than
+``broker.piece_bytes`` (field ``m``: the manifest; ``0`` … ``n-1``: the pieces;
+`broker.pieces`).
+
 Runs stored by versions before these names (run-wide keys ``ddl:<run>:…`` without a hash tag)
 are recognised by :attr:`RunKeys.legacy_config` and refused with a message that says so.
 """
@@ -83,6 +90,12 @@ import re
 GROUP = "syncers"
 PREFIX = "ddl"
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def staging(key: str, token: str) -> str:
+    """Where the pieces of a new value of `key` wait for their commit (`broker.pieces`): in
+    `key`'s hash slot."""
+    return f"{key}:staging:{token}"
 
 
 def check_run_name(run: str) -> str:

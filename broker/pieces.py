@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.errors import DecodeError
+from broker.keys import staging
 from broker.untrusted import bounded_json, check_blob
 
 PIECE_BYTES = 64 * 2**20  # broker.piece_bytes' default: far below Redis's 512 MB per value
@@ -102,7 +103,7 @@ def stage(r: redis.Redis, key: str, blob: bytes | bytearray | memoryview,
     """
     if len(blob) <= piece_bytes:
         return None
-    staged = f"{key}:staging:{secrets.token_hex(8)}"
+    staged = staging(key, secrets.token_hex(8))
     shas = []
     for i, piece in enumerate(_pieces(blob, piece_bytes)):
         shas.append(hashlib.sha256(piece).hexdigest())

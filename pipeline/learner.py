@@ -220,7 +220,9 @@ class LearnerCore:
         return self._push(p, step, params)
 
     def _push(self, p: int, step: int, params: Params) -> Push:
-        theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
+        # copies: the push keeps θ, and a training step may reuse (donate) the buffers of
+        # `params`
+        theta = {n: np.array(params[n], np.float32) for n in self.fragments[p]}
         delta = {n: self.base[p][n] - theta[n] for n in self.fragments[p]}
         carried = None
         feedback = self.cfg.up_feedback and self.cfg.codec_up != "fp32"  # fp32 has no error
@@ -426,7 +428,7 @@ class LearnerCore:
         not merged. The driver checks first that the push belongs to this run and learner,
         is not older than the checkpoint's base, and (strict modes, which wait for its value)
         that it was merged."""
-        theta = {n: np.asarray(params[n], np.float32) for n in self.fragments[p]}
+        theta = {n: np.array(params[n], np.float32) for n in self.fragments[p]}  # kept
         self.inflight[p] = _InFlight(
             step, base_version, theta if self.cfg.apply == "rebase" else None, self.steps[p],
             self.tokens[p], {n: self.base[p][n] - theta[n] for n in self.fragments[p]},

@@ -19,13 +19,19 @@ from pipeline.task import Params, Task, inner_optimizer
 __all__ = ["evaluate", "inner_optimizer", "make_step"]
 
 
-def make_step(task: Task, opt: optax.GradientTransformation) -> Callable:
-    """A jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+def make_step(task: Task, opt: optax.GradientTransformation, *,
+              donate: bool = False) -> Callable:
+    """A jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    With `donate` the step's outputs reuse the buffers of its `params` and `opt_state`
+    (deleted by the call: the caller keeps no reference to them), so a step holds one copy of
+    the parameters and optimizer state instead of two.
+    """
 
     def loss_fn(params: Params, batch: jax.Array):
         return task.loss_and_accuracy(params, batch)
 
-    @jax.jit
+    @partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def step(params: Params, opt_state, batch: jax.Array):
         (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)

@@ -506,6 +506,35 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
     assert frag["rounds_checked"] == 6 and frag["state_checked"]
 
 
+@pytest.mark.parametrize("down_delta", [True, False], ids=["delta down link", "sent whole"])
+def test_rounds_redis_lost_are_committed_again_with_their_snapshots(r, redis_url, down_delta):
+    """Redis comes back without its last two rounds (an AOF missing its last second): the
+    syncer commits them again, each snapshot byte for byte — under the delta down link packed
+    again from the fp32 references its history keeps (it holds only the newest packed)."""
+    from broker import pieces
+
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2,
+                            "down_delta": down_delta},
+                      broker={"block_ms": 50, "checkpoint_rounds": 100, "checkpoint_s": 0.0})
+    run = "recommit"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
+        a.start()
+        _rounds(r, keys, cfg, a, 3)
+        held = {v: pieces.read(r, fk.sent(v), max_bytes=2**30) for v in (1, 2, 3)}
+        assert len(a.frags[P].snapshots) == (1 if down_delta else 3)
+        r.xdel(fk.rounds, "2-0", "3-0")
+        r.execute_command("XSETID", fk.rounds, "1-0")
+        r.delete(fk.sent(2), fk.sent(3))
+        r.copy(fk.sent(1), fk.global_, replace=True)
+        a._resync()
+        assert [i for i, _ in r.xrange(fk.rounds)] == [b"1-0", b"2-0", b"3-0"]
+        for v in (1, 2, 3):
+            assert pieces.read(r, fk.sent(v), max_bytes=2**30) == held[v], v
+        assert pieces.read(r, fk.global_, max_bytes=2**30) == held[3]
+
+
 def test_rounds_that_cannot_be_replayed_stop_the_successor_with_the_reason(r, redis_url):
     """An entry merged after the checkpoint deleted from the stream: the successor refuses to
     start (it cannot rebuild the committed value) and names the entry and the checkpoint."""

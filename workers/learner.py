@@ -113,7 +113,9 @@ class Learner:
             self.data = task.data()
             self.opt = task.optimizer()
             pl = self.placement
-            self.step_fn = pl.step(task, self.opt) if pl else make_step(task, self.opt)
+            # donated: the island keeps copies, never the step's inputs (`LearnerCore._push`)
+            self.step_fn = pl.step(task, self.opt) if pl else make_step(task, self.opt,
+                                                                        donate=True)
 
     def _init_opt(self, params):
         state = self.opt.init(params)

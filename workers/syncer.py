@@ -155,7 +155,7 @@ class Syncer:
                                            snapshot=self._snapshot(core))
                 state_blob = self.streams.load_state(p, limit)
             f = self.frags[p] = self._recover(p, state_blob)
-            f.snapshots[f.core.version] = self._snapshot(f.core)
+            f.keep_snapshot(f.core.version, self._snapshot(f.core))
             f.final_seen |= self._finals_done(p)
             self.owned.append(p)
         self.owned.sort()
@@ -577,8 +577,7 @@ class Syncer:
                             result.version).to_json()
                   for e, n, *_ in result.included if e in f.entries}
         f.recent.append((record, acks, merged))
-        f.snapshots[result.version] = snapshot
-        f.snapshots.pop(result.version - self.sync.max_staleness - 1, None)
+        f.keep_snapshot(result.version, snapshot)
         checkpoint = (reason == FINAL_FLUSH or self._checkpoint_due(f))
         floor = self._sent_floor(f, result.version if checkpoint else f.ckpt_version)
         try:
@@ -847,7 +846,7 @@ class Syncer:
                 record=lost[-1][0].to_fields(),
                 earlier_records=[rec.to_fields() for rec, *_ in lost[:-1]],
                 ack_ids=[i for _, acks, _ in lost for i in acks],
-                extra_sent={v: b for v, b in f.snapshots.items() if v > stored},
+                extra_sent=f.snapshots_since(stored, self.ctx.keys.run),
                 merged={n: m for *_, ms in lost for n, m in ms.items()})  # the latest wins
             f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
             registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,

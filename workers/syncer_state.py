@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from broker import codec
 from broker.entries import EntryMeta, payload_pieces, pieces_sha256
 from broker.errors import DecodeError
 from broker.streams import Entry
+from pipeline.downlink import full_value
 from pipeline.syncer import FragmentSyncer
 
 
@@ -40,14 +42,35 @@ class FragState:
     finished: bool = False
     # (version, oldest entry id) of recent rounds
     recent_min_ids: list[tuple[int, str]] = field(default_factory=list)
-    # recent round records with their acknowledged ids and merge records, and recent
-    # snapshots: enough to re-commit what Redis lost if it restarts from an AOF missing its
-    # last second
+    # recent round records with their acknowledged ids and merge records, and the snapshots
+    # of recent versions (`keep_snapshot`): enough to re-commit what Redis lost if it restarts
+    # from an AOF missing its last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
     snapshots: dict[int, bytes] = field(default_factory=dict)
     ckpt_version: int = 0      # the version of the fragment's last checkpoint (full state)
     ckpt_t: float = 0.0        # when it was written (monotonic)
     sent_floor: int = 0        # the oldest `sent:<v>` snapshot Redis may still hold
+
+
+    def keep_snapshot(self, version: int, blob: bytes) -> None:
+        """Keep `version`'s packed snapshot. Under the delta down link only the newest is kept
+        packed: an older one is the fp32 reference the core keeps in its history, packed
+        again bit for bit when a re-commit needs it (`snapshots_since`); else the newest
+        ``max_staleness + 1``."""
+        if self.core.sync_cfg.down_delta:
+            self.snapshots.clear()
+        self.snapshots[version] = blob
+        self.snapshots.pop(version - self.core.sync_cfg.max_staleness - 1, None)
+
+    def snapshots_since(self, stored: int, run: str) -> dict[int, bytes]:
+        """The packed snapshots of the versions after `stored` that this syncer can still
+        rebuild (a re-commit of rounds Redis lost)."""
+        out = {v: b for v, b in self.snapshots.items() if v > stored}
+        if self.core.sync_cfg.down_delta:
+            for v, values in self.core.history.items():
+                if v > stored and v not in out:
+                    out[v] = codec.pack_snapshot(run, self.core.fragment, v, full_value(values))
+        return dict(sorted(out.items()))
 
 
 def payload_digest(e: Entry, limit: int) -> str | None:

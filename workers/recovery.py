@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
 
 from broker import archive as archmod
@@ -202,6 +203,34 @@ def restore_checkpoint(blob: bytes, cfg: RunConfig, shapes: Mapping[str, tuple[i
     state["history"] = history
     return FragmentSyncer.from_state_dict(state, cfg.outer, cfg.effective_sync(), is_embedding,
                                           fragment_prior(cfg, shapes))
+
+
+def committed_theta(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,
+                    shapes: Mapping[str, tuple[int, ...]], is_embedding: Callable[[str], bool],
+                    archive_dir: str | Path | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """(Θ in fp32, version) of the fragment at its latest committed version, holding no more
+    than that needs: the checkpoint's Θ when no round was committed after it (the end of every
+    run writes one), else :func:`recover`'s (the checkpoint, the snapshots stale rounds are
+    anchored at, the rounds since).
+
+    Raises:
+        RecoveryError: As :func:`recover`.
+    """
+    limit = capacity.state_limit(shapes)
+    try:
+        blob = pieces.read(r, fk.state, max_bytes=limit, what=f"fragment {fk.fragment}'s state")
+        if blob is None:
+            raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
+        state = unpack_state(blob, max_bytes=limit, shapes=shapes)
+    except DecodeError as e:
+        raise RecoveryError(f"fragment {fk.fragment}: the checkpoint cannot be read: {e}") from e
+    del blob
+    last = committed_version(r, fk)
+    if last is None or last <= state["version"]:
+        return state["theta"], int(state["version"])
+    del state
+    rec = recover(r, fk, cfg, shapes, is_embedding, archive_dir=archive_dir)
+    return rec.core.theta, rec.core.version
 
 
 def recover(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,

@@ -32,7 +32,7 @@ from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Data, stored_spec, task_of, with_init_hash
 from pipeline.train import evaluate
-from workers.recovery import recover
+from workers.recovery import committed_theta
 
 log = logging.getLogger("diloco.supervisor")
 
@@ -41,7 +41,7 @@ def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list
                   shapes: dict[str, tuple[int, ...]], is_embedding: Callable[[str], bool]
                   ) -> tuple[dict[str, np.ndarray], list[int]]:
     """The global Θ (fp32) of every fragment at its latest committed version: the syncers'
-    last checkpoint plus the rounds committed since, replayed (`workers.recovery.recover`).
+    last checkpoint plus the rounds committed since, replayed (`workers.recovery.committed_theta`).
 
     Raises:
         BrokerError: A fragment has no committed state yet, or its rounds since the
@@ -53,10 +53,10 @@ def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list
         fk = keys.fragment(p)
         if not r.exists(fk.state):
             raise BrokerError(f"fragment {p} has no committed state")
-        rec = recover(r, fk, cfg, {n: shapes[n] for n in names}, is_embedding,
-                      archive_dir=cfg.broker.archive_dir or None)
-        params.update({k: np.asarray(v, np.float32) for k, v in rec.core.theta.items()})
-        versions.append(rec.core.version)
+        theta, version = committed_theta(r, fk, cfg, {n: shapes[n] for n in names},
+                                         is_embedding, archive_dir=cfg.broker.archive_dir or None)
+        params.update({k: np.asarray(v, np.float32) for k, v in theta.items()})
+        versions.append(version)
     return params, versions
 
 

@@ -159,6 +159,7 @@ class Syncer:
             f.final_seen |= self._finals_done(p)
             self.owned.append(p)
         self.owned.sort()
+        self._init = None  # the whole model's initial values: built again only if needed
         for p in ps:  # re-publish what is committed (a restart after a crash, a takeover)
             self._publish(p, self.frags[p].core)
         for p in ps:  # recovery may have outlasted a lease: claim nothing for a lost one
@@ -840,13 +841,13 @@ class Syncer:
                       "%d round(s)", p, stored, f.core.version, len(lost))
             if not lost or lost[-1][0].version != f.core.version:
                 raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
+            sent = f.snapshots_since(stored, self.ctx.keys.run)
             self.streams.commit_round(
                 p, self.cfg.syncer_id, state=self._state_blob(f.core),
-                snapshot=f.snapshots[f.core.version], version=f.core.version,
+                snapshot=sent[f.core.version], version=f.core.version,
                 record=lost[-1][0].to_fields(),
                 earlier_records=[rec.to_fields() for rec, *_ in lost[:-1]],
-                ack_ids=[i for _, acks, _ in lost for i in acks],
-                extra_sent=f.snapshots_since(stored, self.ctx.keys.run),
+                ack_ids=[i for _, acks, _ in lost for i in acks], extra_sent=sent,
                 merged={n: m for *_, ms in lost for n, m in ms.items()})  # the latest wins
             f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
             registry.event(self.ctx.r, self.ctx.keys, "recommit", fragment=p,

@@ -53,12 +53,12 @@ class FragState:
 
 
     def keep_snapshot(self, version: int, blob: bytes) -> None:
-        """Keep `version`'s packed snapshot. Under the delta down link only the newest is kept
-        packed: an older one is the fp32 reference the core keeps in its history, packed
-        again bit for bit when a re-commit needs it (`snapshots_since`); else the newest
-        ``max_staleness + 1``."""
+        """Keep `version`'s packed snapshot, with the newest ``max_staleness + 1`` — except
+        under the delta down link: a snapshot is then the fp32 reference the core keeps in
+        its history, packed again bit for bit when a re-commit needs it
+        (`snapshots_since`)."""
         if self.core.sync_cfg.down_delta:
-            self.snapshots.clear()
+            return
         self.snapshots[version] = blob
         self.snapshots.pop(version - self.core.sync_cfg.max_staleness - 1, None)
 

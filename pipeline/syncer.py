@@ -30,6 +30,7 @@ from pipeline.config import OuterConfig, SyncConfig
 from pipeline.contribution import Contribution, Drop, Reason
 from pipeline.downlink import encode_down, full_value
 from pipeline.guard import NormGuard, token_bound
+from pipeline.history import History
 from pipeline.merge import (
     NonFiniteContribution,
     NormExceeded,
@@ -154,7 +155,7 @@ class FragmentSyncer:
         self.sent_base = -1
         self._hash: tuple[int, str] = (-1, "")  # (version, sent_hash) cached
         # version → the dequantised value learners received for it (anchors stale contributions)
-        self.history: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict({version: sent_values})
+        self.history = History(version, sent_values)
         self.seen: set[tuple[str, int, int]] = set()
         # learner → its last push merged here, least recently merged first: a later push of
         # its chain repeats it
@@ -396,9 +397,8 @@ class FragmentSyncer:
         self.sent_base = self.version if self.sync_cfg.down_delta else -1
         self.version += 1
         self.sent = sent
-        self.history[self.version] = sent_values
-        while len(self.history) > self.sync_cfg.max_staleness + 1:
-            self.history.popitem(last=False)
+        self.history.add(self.version, sent_values, sent, self.sent_base)
+        self.history.keep_last(self.sync_cfg.max_staleness + 1)
         oldest = self.version - self.sync_cfg.max_staleness - 1
         self.seen = {k for k in self.seen if k[1] >= oldest}
         for c in r.contributors.values():
@@ -466,8 +466,9 @@ class FragmentSyncer:
                 is_embedding=is_embedding, prior_step_norm=prior_step_norm)
         treedef = jax.tree_util.tree_structure(s.opt_state)
         s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
-        s.history = OrderedDict((int(v), {k: np.asarray(a, np.float32) for k, a in h.items()})
-                                for v, h in sorted(d["history"].items(), key=lambda kv: int(kv[0])))
+        s.history = History.from_values({int(v): {k: np.asarray(a, np.float32)
+                                                  for k, a in h.items()}
+                                         for v, h in d["history"].items()})
         s._hash = (-1, "")
         if sync_cfg.down_delta:  # re-published whole: the delta that made it is not kept
             s.sent, s.sent_base = full_value(s.history[s.version]), -1

@@ -129,6 +129,15 @@ def learner_blocked(cfg: RunConfig, w: Workload, costs: Costs) -> dict[str, floa
             "share_of_step": per_step / w.step_s}
 
 
+def _history_bytes(cfg: RunConfig, n: int) -> int:
+    """What a syncer keeps of the recent published values of a fragment of `n` values."""
+    s = cfg.effective_sync()
+    kept, steady = s.max_staleness + 1, value_bytes(cfg, n)["publish_steady"]
+    if s.down_delta:
+        return 8 * n + (kept - 1) * steady
+    return 4 * n * kept if s.codec_down == "fp32" else 4 * n + kept * steady
+
+
 def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     """Bytes each role keeps (the arrays; the allocator, the runtime and activations aside).
 
@@ -136,8 +145,10 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
       each fragment was last rebased on (4 B), and a published value being applied (4 B of the
       largest fragment) — its step's activations come on top and depend on the model;
     * syncer, per fragment it owns: Θ, the outer momentum and the merge's accumulator (12 B),
-      the values of the last `max_staleness` + 1 versions (stale pushes are anchored on them:
-      4 B each) and the published value being encoded (4 B);
+      the published value being encoded (4 B), and the values of the last `max_staleness` + 1
+      versions stale pushes are anchored on (`pipeline.history`): under the delta down link
+      the oldest and the newest in fp32 and the deltas between as sent; a value sent whole in
+      a codec as sent, and the newest in fp32; fp32 values whole;
     * Redis, per fragment: the stream's entries until trimmed (`keep_rounds` rounds, at least
       the rounds since a checkpoint, and the open one, of at most one push per learner each,
       and up to two pushes per learner not yet read), one
@@ -148,7 +159,7 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     n_max = max(w.fragment_values)
     learner = 20 * w.params + 4 * n_max
     own = [w.fragment_values[i::w.syncers] for i in range(w.syncers)]  # fragments dealt round-robin
-    syncer_each = max((12 + 4 * (s.max_staleness + 1) + 4) * sum(part) for part in own)
+    syncer_each = max(sum(16 * n + _history_bytes(cfg, n) for n in part) for part in own)
     # the rounds kept and the open one (at most one push per learner each), and up to two
     # pushes per learner not yet read (its last one and, at the end, its final flush)
     entries = (max(b.keep_rounds, b.checkpoint_rounds) + 3) * w.learners

@@ -13,9 +13,10 @@ from ops.bench import (
                        pipeline,
                        quality,
                        resilience,
+                       roles,
                        step,
                        step_matrix,
 )
 
 __all__ = ["accelerator", "islands", "lab", "overlap", "pipeline", "quality", "resilience",
-           "step", "step_matrix"]
+           "roles", "step", "step_matrix"]

@@ -1,5 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|latency|recovery|cluster|
-security|step|step-loop|step-flags|step-matrix|accelerator|s1|s2|poison|lab`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|roles|latency|recovery|
+cluster|security|step|step-loop|step-flags|step-matrix|accelerator|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -21,6 +21,7 @@ from ops.bench import (
     pipeline,
     quality,
     resilience,
+    roles,
     step,
     step_matrix,
 )
@@ -35,6 +36,8 @@ _PIPELINE = (("overlap", overlap.bench_overlap, "learner step rate, syncing on ร
              ("islands", islands.bench_islands, "a 4-device island vs 4 one-device learners"),
              ("pipeline", pipeline.bench_pipeline, "syncer MB/s รท raw XREADGROUP MB/s"),
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
+             ("roles", roles.bench_roles,
+              "peak memory of each role of a real run, at 6.5M and 50.7M parameters"),
              ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"),
              ("cluster", pipeline.bench_cluster,
               "one redis-server vs a local Redis Cluster, the same syncer work"),

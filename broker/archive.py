@@ -123,11 +123,14 @@ def archive_entries(directory: str | Path, run: str, fragment: int,
 
 
 def archive_below(r: redis.Redis, keys: RunKeys, fragment: int, min_id: str,
-                  directory: str | Path, *, page: int = 1000) -> int:
+                  directory: str | Path, *, page: int = 1000,
+                  file_bytes: int = 256 * 2**20) -> int:
     """Archive every entry of fragment `fragment`'s stream with an id below `min_id`.
 
     This is what ``XTRIM MINID min_id`` is about to delete; call it right before the trim.
-    Pages of `page` entries each become one file.
+    Entries are read a few at a time and written in files of at most `page` entries and
+    about `file_bytes` bytes (one entry more at most): the memory this takes does not grow
+    with the model or the backlog.
 
     Returns:
         The number of entries archived.
@@ -137,16 +140,21 @@ def archive_below(r: redis.Redis, keys: RunKeys, fragment: int, min_id: str,
             (keeping entries is always safe) and log the error.
     """
     key = keys.fragment(fragment).frags
-    start, total = "-", 0
+    start, total, rows, held = "-", 0, [], 0
     while True:
-        rows = r.xrange(key, start, f"({min_id}", count=page)
-        if not rows:
+        got = r.xrange(key, start, f"({min_id}", count=min(page, 16))
+        for row in got:
+            rows.append(row)
+            held += sum(len(k) + len(v) for k, v in row[1].items())
+            if len(rows) >= page or held >= file_bytes:
+                archive_entries(directory, keys.run, fragment, rows)
+                total, rows, held = total + len(rows), [], 0
+        if len(got) < min(page, 16):
+            if rows:
+                archive_entries(directory, keys.run, fragment, rows)
+                total += len(rows)
             return total
-        archive_entries(directory, keys.run, fragment, rows)
-        total += len(rows)
-        if len(rows) < page:
-            return total
-        start = f"({as_text(rows[-1][0])}"
+        start = f"({as_text(got[-1][0])}"
 
 
 def load_archive(directory: str | Path, run: str, fragment: int) -> dict[str, Fields]:

@@ -155,6 +155,22 @@ def test_replay_until_and_fragment(finished_run, capsys):
     assert code == 2 and rep["status"] == "incomplete" and "no configuration" in rep["error"]
 
 
+def test_archiving_writes_files_of_bounded_size(finished_run, r, tmp_path):
+    """Files of about `file_bytes` each (one entry more at most), whatever the backlog: the
+    syncer's memory while archiving does not grow with the model."""
+    keys = clone_run(r, "rp-pages")
+    key = keys.fragment(1).frags
+    rows = r.xrange(key)
+    sizes = [sum(len(k) + len(v) for k, v in f.items()) for _, f in rows]
+    top = rows[-1][0].decode().split("-")
+    assert archive_below(r, keys, 1, f"{top[0]}-{int(top[1]) + 1}", tmp_path / "arch",
+                         file_bytes=2 * max(sizes)) == len(rows)
+    files = sorted((tmp_path / "arch").rglob("*.msgpack"))
+    assert len(files) >= len(rows) // 2 >= 2
+    assert max(f.stat().st_size for f in files) < 3 * max(sizes) + 4096
+    assert load_archive(tmp_path / "arch", keys.run, 1) == {i.decode(): f for i, f in rows}
+
+
 def test_replay_from_the_archive_alone(finished_run, r, capsys, tmp_path):
     url, _ = finished_run
     keys = clone_run(r, "rp-arch")

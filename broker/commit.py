@@ -62,10 +62,12 @@ class FencedState:
         self.keys = keys
         self.piece_bytes = piece_bytes  # a larger value is stored in pieces (`broker.pieces`)
         self._renew = r.register_script(_RENEW)
+        self._lease_ms = 0  # as last taken (`acquire_lease`): staging extends it by as much
 
     def acquire_lease(self, p: int, owner: str, lease_ms: int) -> bool:
         """Take the fragment's lease if free (or extend it if ours)."""
         key = self.keys.fragment(p).lease
+        self._lease_ms = lease_ms
         if self.r.set(key, owner.encode(), nx=True, px=lease_ms):
             return True
         return bool(self._renew(keys=[key], args=[owner.encode(), lease_ms]))
@@ -137,7 +139,7 @@ class FencedState:
         fk = self.keys.fragment(p)
         values = {fk.sent(version): snapshot, **({} if state is None else {fk.state: state}),
                   **{fk.sent(v): blob for v, blob in (extra_sent or {}).items()}}
-        staged = self._stage(values)
+        staged = self._stage(values, p, owner)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.rounds)
@@ -184,7 +186,7 @@ class FencedState:
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
-        staged = self._stage({fk.state: state})
+        staged = self._stage({fk.state: state}, p, owner)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.rounds)
@@ -211,7 +213,7 @@ class FencedState:
         if self.r.exists(fk.state):
             return False
         values = {fk.state: state, fk.sent(0): snapshot}
-        staged = self._stage(values)
+        staged = self._stage(values, p, owner)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(fk.lease, fk.state)
@@ -232,12 +234,21 @@ class FencedState:
             pipe.reset()
             pieces.drop_staged(self.r, staged.values())
 
-    def _stage(self, values: Mapping[str, bytes | bytearray | memoryview]) -> dict[str, str | None]:
-        """Each value's staging key (`broker.pieces.stage`; None: written whole)."""
+    def _stage(self, values: Mapping[str, bytes | bytearray | memoryview], p: int,
+               owner: str) -> dict[str, str | None]:
+        """Each value's staging key (`broker.pieces.stage`; None: written whole). Staging
+        takes as long as sending the values: after each piece the fragment's lease is
+        extended, if this owner still holds it, as the syncer's loop would."""
         staged: dict[str, str | None] = {}
+        lease = self.keys.fragment(p).lease
+
+        def renew() -> None:
+            if self._lease_ms:
+                self._renew(keys=[lease], args=[owner.encode(), self._lease_ms])
+
         try:
             for key, blob in values.items():
-                staged[key] = pieces.stage(self.r, key, blob, self.piece_bytes)
+                staged[key] = pieces.stage(self.r, key, blob, self.piece_bytes, renew)
         except BaseException:
             pieces.drop_staged(self.r, staged.values())
             raise

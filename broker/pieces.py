@@ -28,7 +28,7 @@ import hashlib
 import json
 import math
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
@@ -92,10 +92,11 @@ def _pieces(blob: bytes | bytearray | memoryview, piece_bytes: int) -> Iterable[
 
 
 def stage(r: redis.Redis, key: str, blob: bytes | bytearray | memoryview,
-          piece_bytes: int) -> str | None:
+          piece_bytes: int, after_piece: Callable[[], object] | None = None) -> str | None:
     """Write `blob` in pieces to a staging key beside `key` (one piece per command, each
-    followed by a renewal of the key's TTL), for :func:`queue_put` to name. None when `blob`
-    fits one piece: `queue_put` then writes it whole, as a string.
+    followed by a renewal of the key's TTL, then by `after_piece`: the caller renews its own
+    lease there), for :func:`queue_put` to name. None when `blob` fits one piece:
+    `queue_put` then writes it whole, as a string.
 
     Raises:
         redis.RedisError: Redis refused a piece or dropped the connection (the staging key
@@ -111,6 +112,8 @@ def stage(r: redis.Redis, key: str, blob: bytes | bytearray | memoryview,
         pipe.hset(staged, str(i), piece)
         pipe.pexpire(staged, STAGE_TTL_MS)
         pipe.execute()
+        if after_piece is not None:
+            after_piece()
     manifest = Manifest(len(blob), piece_bytes, tuple(shas))
     r.pipeline(transaction=False).hset(staged, MANIFEST, manifest.to_json()).pexpire(
         staged, STAGE_TTL_MS).execute()

@@ -136,8 +136,8 @@ def test_a_writer_that_dies_between_pieces_leaves_nothing_visible(r):
     # a commit whose staged pieces vanished (expired) writes nothing, and says why
     real_stage = pieces.stage
     try:
-        def stage_then_lose(client, key, blob, piece_bytes):
-            name = real_stage(client, key, blob, piece_bytes)
+        def stage_then_lose(client, key, blob, piece_bytes, after_piece=None):
+            name = real_stage(client, key, blob, piece_bytes, after_piece)
             if name:
                 client.delete(name)
             return name
@@ -218,3 +218,42 @@ def test_a_push_in_pieces_goes_through_redis_and_the_dead_letter_stream(r):
     s.dead_letter(0, Entry(0, entry_id, raw), "test", keep_payload=False)
     ((_, dead),) = r.xrange(FK.dlq)
     assert not [k for k in dead if k.startswith(b"payload")] and dead[b"pieces"] == b"4"
+
+
+def test_staging_that_outlasts_the_lease_extends_it_but_never_takes_it_back(r, monkeypatch):
+    """Sending a large value takes time the lease was not renewed in: the owner extends its
+    lease once the pieces are staged (if it still holds it), and a syncer that lost the lease
+    meanwhile commits nothing."""
+    import time
+
+    from broker.commit import LeaseLost
+
+    s = FragmentStreams(r, KEYS, piece_bytes=1000)
+    assert s.acquire_lease(0, "s0", 400)
+    assert s.init_fragment(0, "s0", state=b"old", snapshot=b"old")
+    real_stage = pieces.stage
+
+    def slow_stage(client, key, blob, piece_bytes, after_piece=None):
+        def slow():  # 0.15 s a piece, 3 pieces: longer than the lease
+            time.sleep(0.15)
+            after_piece()
+        return real_stage(client, key, blob, piece_bytes, slow)
+
+    monkeypatch.setattr(pieces, "stage", slow_stage)
+    assert s.acquire_lease(0, "s0", 400)
+    s.checkpoint(0, "s0", state=_blob(3000), version=0)
+    assert len(s.load_state(0, 2**20)) == 3000
+    # the lease expires during staging and another syncer takes it: nothing is written
+    assert s.acquire_lease(0, "s0", 400)
+
+    def stage_and_lose(client, key, blob, piece_bytes, after_piece=None):
+        def lose():
+            time.sleep(0.15)
+            client.set(FK.lease, "s1", px=10_000)  # taken by another syncer meanwhile
+            after_piece()
+        return real_stage(client, key, blob, piece_bytes, lose)
+
+    monkeypatch.setattr(pieces, "stage", stage_and_lose)
+    with pytest.raises(LeaseLost, match="held by 's1'"):
+        s.checkpoint(0, "s0", state=_blob(4000), version=0)
+    assert len(s.load_state(0, 2**20)) == 3000 and r.get(FK.lease) == b"s1"

@@ -207,11 +207,14 @@ def value_limits(r: redis.Redis | RedisCluster, max_payload_bytes: int,
     """
     try:
         got = r.config_get("proto-max-bulk-len")
+        # a cluster's fragments spread over its masters: one node's maxmemory says too little
+        mem = {} if isinstance(r, RedisCluster) else r.config_get("maxmemory")
         if isinstance(r, RedisCluster):  # {node: {name: value}} or merged, by version
             got = next(iter(got.values())) if got and isinstance(
                 next(iter(got.values())), dict) else got
         value = int(got["proto-max-bulk-len"])
-        return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len", piece_bytes)
+        return Limits(max_payload_bytes, value, "Redis's proto-max-bulk-len", piece_bytes,
+                      int(mem.get("maxmemory", 0)))
     except (redis.exceptions.NoPermissionError, redis.ResponseError, ClusterError,
             RedisClusterException, KeyError, TypeError, ValueError, StopIteration):
         return Limits(max_payload_bytes, REDIS_BULK_DEFAULT,

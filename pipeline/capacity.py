@@ -41,6 +41,7 @@ class Limits:
     redis_bulk_bytes: int = REDIS_BULK_DEFAULT
     redis_source: str = "Redis's default proto-max-bulk-len"
     piece_bytes: int = 64 * 2**20
+    redis_maxmemory: int = 0  # Redis's maxmemory (0: none, or not readable here)
 
 
 def value_bytes(cfg: RunConfig, n: int) -> dict[str, int]:
@@ -78,6 +79,13 @@ def _problems(cfg: RunConfig, n: int, limits: Limits) -> list[tuple[str, int, in
     return out
 
 
+def redis_minimum(cfg: RunConfig, fragment_values: list[int]) -> int:
+    """The least Redis must hold for a run: per fragment a checkpoint, the latest snapshot
+    (twice: ``:global`` and ``:sent:<v>``) and one push per learner."""
+    return sum(8 * n + 2 * value_bytes(cfg, n)["snapshot"] + cfg.learners * value_bytes(
+        cfg, n)["push"] for n in fragment_values)
+
+
 def _largest(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
              is_embedding: Callable[[str], bool], fragments: int) -> tuple[int, int] | None:
     """(index, values) of the largest fragment with `fragments` fragments (None: the model
@@ -92,6 +100,20 @@ def _largest(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
+
+
+def _memory(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
+            is_embedding: Callable[[str], bool], fragments: int, limits: Limits) -> str | None:
+    if not limits.redis_maxmemory:
+        return None
+    need = redis_minimum(cfg, fragment_sizes(shapes, partition(shapes, fragments,
+                                                               is_embedding)))
+    if need <= limits.redis_maxmemory:
+        return None
+    return (f"Redis's maxmemory ({_mb(limits.redis_maxmemory)}) cannot hold what this run "
+            f"needs at the least ({_mb(need)}: per fragment a checkpoint, the latest snapshot "
+            f"twice and one push per learner): raise maxmemory in redis.conf (REDIS.md §3 "
+            f"sizes it; `diloco plan` prints the run's steady state)")
 
 
 def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
@@ -109,7 +131,7 @@ def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
     p, n = largest
     over = _problems(cfg, n, limits)
     if not over:
-        return None
+        return _memory(cfg, shapes, is_embedding, fragments, limits)
     what, size, limit, name = over[0]
     head = (f"fragment {p} holds {n:,} values: its {what} is {_mb(size)}, over {name} "
             f"({_mb(limit)})")

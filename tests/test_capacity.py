@@ -183,3 +183,25 @@ def test_a_tensor_with_more_dimensions_than_the_state_holds_is_refused_up_front(
     q = {"w": capacity.quant.quantize(np.zeros(shape[:MAX_NDIM], np.float32), "fp32")}
     blob = codec.pack_snapshot("r", 1, 1, q)  # MAX_NDIM dimensions: the codec's limit too
     assert codec.unpack_snapshot(blob)[1]["w"].shape == shape[:MAX_NDIM]
+
+
+def test_init_refuses_a_redis_whose_maxmemory_cannot_hold_the_run(tmp_path, capsys):
+    """The demo run needs 2 MiB of Redis at the least (checkpoints, the latest snapshot twice,
+    a push per learner): a 1 MB maxmemory is refused in one line naming the setting (the
+    plan's steady state is `diloco plan`'s to print, not a refusal)."""
+    from broker.connection import connect, value_limits
+    from ops.cli import main
+    from ops.cluster.redis_server import RedisServer
+
+    server = RedisServer(workdir=tmp_path / "redis", extra=("--maxmemory", "1mb")).start()
+    try:
+        r = connect(server.url)
+        assert value_limits(r, 2**28).redis_maxmemory == 2**20
+        r.close()
+        assert main(["init", "--redis-url", server.url, "--run", "small"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Redis's maxmemory (1 MiB) cannot hold what this run needs " \
+            "at the least (2 MiB" in err[0], err
+        assert "raise maxmemory in redis.conf" in err[0] and "Traceback" not in err[0]
+    finally:
+        server.stop()

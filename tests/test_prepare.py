@@ -13,7 +13,6 @@ import pytest
 
 from ops.cli import main
 
-
 LINES = [f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog {i % 11}."
          for i in range(4000)]
 

@@ -11,7 +11,9 @@ that transaction.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import redis
 
@@ -139,15 +141,10 @@ class FencedState:
         fk = self.keys.fragment(p)
         values = {fk.sent(version): snapshot, **({} if state is None else {fk.state: state}),
                   **{fk.sent(v): blob for v, blob in (extra_sent or {}).items()}}
-        staged = self._stage(values, p, owner)
-        pipe = self.r.pipeline(transaction=True)
-        try:
-            pipe.watch(fk.lease, fk.rounds)
-            self._check_lease(pipe.get(fk.lease), owner, p)
+        with self._fenced_write(p, owner, values, "the commit", fk.rounds) as (pipe, staged):
             if after is not None:
                 self._require_rounds(pipe, fk.rounds, p, after,
                                      f"the commit of v{version} follows v{after}")
-            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
             for key, blob in values.items():
                 pieces.queue_put(pipe, key, blob, staged[key])
@@ -165,11 +162,6 @@ class FencedState:
                 pipe.xack(fk.frags, GROUP, *ack_ids)
             result = pipe.execute(raise_on_error=False)
             staged.clear()
-        except redis.WatchError as e:
-            raise _fenced(e, p, "the commit") from e
-        finally:
-            pipe.reset()
-            pieces.drop_staged(self.r, staged.values())
         for res in result:
             if isinstance(res, redis.ResponseError) and "equal or smaller" not in str(res):
                 raise res  # anything but "this round record exists already"
@@ -186,14 +178,10 @@ class FencedState:
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
-        staged = self._stage({fk.state: state}, p, owner)
-        pipe = self.r.pipeline(transaction=True)
-        try:
-            pipe.watch(fk.lease, fk.rounds)
-            self._check_lease(pipe.get(fk.lease), owner, p)
+        with self._fenced_write(p, owner, {fk.state: state}, "the checkpoint",
+                                fk.rounds) as (pipe, staged):
             self._require_rounds(pipe, fk.rounds, p, version,
                                  f"the checkpoint is of v{version}")
-            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
             pieces.queue_put(pipe, fk.state, state, staged[fk.state])
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
@@ -201,11 +189,6 @@ class FencedState:
                 pipe.delete(*drop)
             pipe.execute()
             staged.clear()
-        except redis.WatchError as e:
-            raise _fenced(e, p, "the checkpoint") from e
-        finally:
-            pipe.reset()
-            pieces.drop_staged(self.r, staged.values())
 
     def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""
@@ -213,14 +196,9 @@ class FencedState:
         if self.r.exists(fk.state):
             return False
         values = {fk.state: state, fk.sent(0): snapshot}
-        staged = self._stage(values, p, owner)
-        pipe = self.r.pipeline(transaction=True)
-        try:
-            pipe.watch(fk.lease, fk.state)
-            self._check_lease(pipe.get(fk.lease), owner, p)
+        with self._fenced_write(p, owner, values, "initialisation", fk.state) as (pipe, staged):
             if pipe.exists(fk.state):
                 return False
-            pieces.watch_staged(pipe, staged.values())
             pipe.multi()
             for key, blob in values.items():
                 pieces.queue_put(pipe, key, blob, staged[key])
@@ -228,8 +206,28 @@ class FencedState:
             pipe.execute()
             staged.clear()
             return True
+
+    @contextmanager
+    def _fenced_write(self, p: int, owner: str,
+                      values: Mapping[str, bytes | bytearray | memoryview], what: str,
+                      *watch: str) -> Iterator[tuple[Any, dict[str, str | None]]]:
+        """A transaction fenced by fragment p's lease: `values` staged (`_stage`), then a
+        pipeline WATCHing the lease, `watch` and the staging keys, the lease checked. The
+        caller checks what else it must, queues its writes after ``pipe.multi()``, executes,
+        and clears the staging map once they are named: staging keys left in it are deleted.
+
+        Raises:
+            LeaseLost: another syncer holds the fragment (or took it meanwhile).
+        """
+        staged = self._stage(values, p, owner)
+        pipe = self.r.pipeline(transaction=True)
+        try:
+            pipe.watch(self.keys.fragment(p).lease, *watch)
+            self._check_lease(pipe.get(self.keys.fragment(p).lease), owner, p)
+            pieces.watch_staged(pipe, staged.values())
+            yield pipe, staged
         except redis.WatchError as e:
-            raise _fenced(e, p, "initialisation") from e
+            raise _fenced(e, p, what) from e
         finally:
             pipe.reset()
             pieces.drop_staged(self.r, staged.values())

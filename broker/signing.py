@@ -30,6 +30,7 @@ from broker.ids import as_text
 log = logging.getLogger("diloco.signing")
 
 SIG_FIELD = "sig"
+CLOCK_SKEW_S = 60.0  # hosts' clocks may differ by this much (a signed heartbeat's age)
 KEY_BYTES = 32
 _SKIP = {"payload", SIG_FIELD}
 _MAX_FIELDS = 64
@@ -94,9 +95,14 @@ class Verifier:
     """The syncer's learner keys: a folder of ``<learner>.sign`` files (re-read when an
     unknown learner shows up, at most every `rescan_s`, so learners can be added live)."""
 
-    def __init__(self, folder: str | Path, rescan_s: float = 5.0):
+    def __init__(self, folder: str | Path, rescan_s: float = 5.0,
+                 heartbeat_max_age_s: float | None = None):
         self.folder = Path(folder)
         self.rescan_s = rescan_s
+        # a signed heartbeat stamped longer ago is not counted: a copy of an old one written
+        # back (a learner credential may write the learners' records) does not keep its
+        # learner alive
+        self.heartbeat_max_age_s = heartbeat_max_age_s
         self._keys: dict[str, bytes] = {}
         self._scanned = -1e18
         self._load()
@@ -132,6 +138,9 @@ class Verifier:
     def record_ok(self, run: str, kind: str, learner: str, rec: Any) -> bool:
         """True when `rec` (a learner's report) is signed by `learner`'s key."""
         if not self.knows(learner) or not getattr(rec, SIG_FIELD, ""):
+            return False
+        if kind == "heartbeat" and self.heartbeat_max_age_s is not None and not (
+                time.time() - float(getattr(rec, "t", 0.0)) <= self.heartbeat_max_age_s):
             return False
         want = sign_record(self._keys[learner], run, kind, learner, rec).sig
         return hmac.compare_digest(want.encode(), str(rec.sig).encode())

@@ -545,6 +545,19 @@ def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_pat
     assert not v.record_ok("run", "final", "L1", rep)
     assert not v.record_ok("run", "final-pushes", "L1", FinalPushes([0, 1], 10, 99))
     assert not v.record_ok("run", "final-pushes", "L1", FinalPushes([0], 10, 99, rep.sig))
+    # a signed heartbeat counts while fresh: an old one written back (a learner credential
+    # may write the learners' records) keeps nobody alive
+    import time
+
+    from broker.records import Heartbeat
+
+    fresh = signing.sign_record(key, "run", "heartbeat", "L1", Heartbeat(t=time.time(), step=5))
+    old = signing.sign_record(key, "run", "heartbeat", "L1",
+                              Heartbeat(t=time.time() - 120, step=5))
+    v = signing.Verifier(tmp_path, heartbeat_max_age_s=65.0)
+    assert v.record_ok("run", "heartbeat", "L1", fresh)
+    assert not v.record_ok("run", "heartbeat", "L1", old)
+    assert signing.Verifier(tmp_path).record_ok("run", "heartbeat", "L1", old)  # no bound
 
 
 # -- security on by default --------------------------------------------------------------------

@@ -90,7 +90,8 @@ class Syncer:
                              f"0..{len(ctx.fragments) - 1}")
         self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=self.bcfg.zmq_hwm,
                              curve=cfg.curve)
-        self.verifier = signing.Verifier(cfg.sign_keys) if cfg.sign_keys else None
+        self.verifier = signing.Verifier(cfg.sign_keys, heartbeat_max_age_s=(  # a replayed one
+            self.bcfg.heartbeat_ttl_s + signing.CLOCK_SKEW_S)) if cfg.sign_keys else None
         self.frags: dict[int, FragState] = {}
         self.live: frozenset[str] = frozenset()
         self._unverified_seen: set[str] = set()
@@ -264,8 +265,7 @@ class Syncer:
     def run_finished(self) -> bool:
         """True when the run is over: every learner has its final report and the final rounds
         of this syncer's fragments are recorded (a syncer started afterwards has no work)."""
-        reports = self._verified(registry.learner_final_reports(self.ctx.r, self.ctx.keys),
-                                 "final")
+        reports = self._verified(registry.learner_final_reports(self.ctx.r, self.ctx.keys), "final")
         if len(reports) < self.run_cfg.learners:
             return False
         return set(self.cfg.fragments or self.sizes) <= self._closed()

@@ -11,6 +11,7 @@ that transaction.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,8 @@ from broker import pieces
 from broker.errors import BrokerError
 from broker.ids import as_text
 from broker.keys import GROUP, RunKeys
+
+log = logging.getLogger("diloco.streams")
 
 # Extend the lease only if we still hold it (atomic compare-and-expire).
 _RENEW = """
@@ -65,14 +68,19 @@ class FencedState:
         self.piece_bytes = piece_bytes  # a larger value is stored in pieces (`broker.pieces`)
         self._renew = r.register_script(_RENEW)
         self._lease_ms = 0  # as last taken (`acquire_lease`): staging extends it by as much
+        self._held: dict[int, str] = {}  # fragment → owner, of the leases taken here
 
     def acquire_lease(self, p: int, owner: str, lease_ms: int) -> bool:
         """Take the fragment's lease if free (or extend it if ours)."""
         key = self.keys.fragment(p).lease
         self._lease_ms = lease_ms
-        if self.r.set(key, owner.encode(), nx=True, px=lease_ms):
-            return True
-        return bool(self._renew(keys=[key], args=[owner.encode(), lease_ms]))
+        got = bool(self.r.set(key, owner.encode(), nx=True, px=lease_ms)
+                   or self._renew(keys=[key], args=[owner.encode(), lease_ms]))
+        if got:
+            self._held[p] = owner
+        else:
+            self._held.pop(p, None)
+        return got
 
     def lease_holder(self, p: int) -> str | None:
         """The id of the syncer holding the fragment's lease (None: nobody)."""
@@ -80,6 +88,7 @@ class FencedState:
         return None if holder is None else as_text(holder)
 
     def release_lease(self, p: int, owner: str) -> None:
+        self._held.pop(p, None)
         key = self.keys.fragment(p).lease
         pipe = self.r.pipeline(transaction=True)
         try:
@@ -178,8 +187,8 @@ class FencedState:
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
-        with self._fenced_write(p, owner, {fk.state: state}, "the checkpoint",
-                                fk.rounds) as (pipe, staged):
+        with self._fenced_write(p, owner, {fk.state: state}, "the checkpoint", fk.rounds,
+                                retake=True) as (pipe, staged):
             self._require_rounds(pipe, fk.rounds, p, version,
                                  f"the checkpoint is of v{version}")
             pipe.multi()
@@ -210,16 +219,25 @@ class FencedState:
     @contextmanager
     def _fenced_write(self, p: int, owner: str,
                       values: Mapping[str, bytes | bytearray | memoryview], what: str,
-                      *watch: str) -> Iterator[tuple[Any, dict[str, str | None]]]:
+                      *watch: str, retake: bool = False
+                      ) -> Iterator[tuple[Any, dict[str, str | None]]]:
         """A transaction fenced by fragment p's lease: `values` staged (`_stage`), then a
         pipeline WATCHing the lease, `watch` and the staging keys, the lease checked. The
         caller checks what else it must, queues its writes after ``pipe.multi()``, executes,
         and clears the staging map once they are named: staging keys left in it are deleted.
 
+        With `retake`, a lease that expired meanwhile (a long write on a loaded host) and that
+        nobody has taken since is taken again (a round commit raises instead: the syncer then
+        retakes it and commits the round again, with its state).
+
         Raises:
             LeaseLost: another syncer holds the fragment (or took it meanwhile).
         """
         staged = self._stage(values, p, owner)
+        lease = self.keys.fragment(p).lease
+        if retake and self._lease_ms and self.r.set(lease, owner.encode(), nx=True,
+                                                    px=self._lease_ms):
+            log.warning("fragment %d: lease expired during %s; taken again", p, what)
         pipe = self.r.pipeline(transaction=True)
         try:
             pipe.watch(self.keys.fragment(p).lease, *watch)
@@ -235,14 +253,16 @@ class FencedState:
     def _stage(self, values: Mapping[str, bytes | bytearray | memoryview], p: int,
                owner: str) -> dict[str, str | None]:
         """Each value's staging key (`broker.pieces.stage`; None: written whole). Staging
-        takes as long as sending the values: after each piece the fragment's lease is
-        extended, if this owner still holds it, as the syncer's loop would."""
+        takes as long as sending the values: after each piece every lease taken here (this
+        fragment's, and the others this syncer owns) is extended where its owner still holds
+        it, as the syncer's loop would."""
         staged: dict[str, str | None] = {}
-        lease = self.keys.fragment(p).lease
 
         def renew() -> None:
             if self._lease_ms:
-                self._renew(keys=[lease], args=[owner.encode(), self._lease_ms])
+                for q, who in {**self._held, p: owner}.items():
+                    self._renew(keys=[self.keys.fragment(q).lease],
+                                args=[who.encode(), self._lease_ms])
 
         try:
             for key, blob in values.items():

@@ -257,3 +257,31 @@ def test_staging_that_outlasts_the_lease_extends_it_but_never_takes_it_back(r, m
     with pytest.raises(LeaseLost, match="held by 's1'"):
         s.checkpoint(0, "s0", state=_blob(4000), version=0)
     assert len(s.load_state(0, 2**20)) == 3000 and r.get(FK.lease) == b"s1"
+
+
+def test_staging_renews_every_lease_held_and_a_checkpoint_retakes_an_expired_one(r, monkeypatch):
+    """A syncer writing one fragment's large state for longer than a lease keeps its other
+    fragments' leases too; a checkpoint whose lease expired with nobody taking it (the end of
+    a run on a loaded host) takes it again instead of failing the run."""
+    import time
+
+    s = FragmentStreams(r, KEYS, piece_bytes=1000)
+    other = RunKeys("pieces").fragment(1)
+    for p in (0, 1):
+        assert s.acquire_lease(p, "s0", 400)
+    assert s.init_fragment(0, "s0", state=b"old", snapshot=b"old")
+    real_stage = pieces.stage
+
+    def slow_stage(client, key, blob, piece_bytes, after_piece=None):
+        def slow():
+            time.sleep(0.15)
+            after_piece()
+        return real_stage(client, key, blob, piece_bytes, slow)
+
+    monkeypatch.setattr(pieces, "stage", slow_stage)
+    s.checkpoint(0, "s0", state=_blob(5000), version=0)  # 5 pieces: 0.75 s
+    assert r.get(other.lease) == b"s0"  # fragment 1's lease renewed as well
+    monkeypatch.setattr(pieces, "stage", real_stage)
+    r.delete(FK.lease)  # expired, and nobody took it
+    s.checkpoint(0, "s0", state=_blob(3000, 4), version=0)
+    assert s.load_state(0, 2**20) == _blob(3000, 4) and r.get(FK.lease) == b"s0"

@@ -177,11 +177,12 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
                "state": sum(8 * n for n in sizes)}
     total = memory(cfg, Workload(tuple(sizes), 2, 0.1, 10.0, 10.0))["redis_bytes"]
     assert total == pytest.approx(sum(planned.values()))
-    # the plan against the run's peak: the snapshots within 25 % (their headers: a few hundred
-    # bytes), the entries under their bound and not far below it (pushes in flight come and
-    # go between samples)
+    # the plan against the run's peak, within the 25 % DEPLOY.md §3 states: the snapshots
+    # (their headers: a few hundred bytes), the entries not far below their term (pushes in
+    # flight come and go between samples) and at most a quarter above it (a push superseded
+    # inside the kept rounds is held too: 0.96-1.08× on a quiet machine, 1.15× under CI's load)
     assert peak["state"] == pytest.approx(planned["state"], rel=0.01)
     assert peak["sent"] == pytest.approx(planned["sent"], rel=0.25), (peak, planned)
-    assert 0.5 * planned["entries"] <= peak["entries"] <= 1.1 * planned["entries"], (
+    assert 0.5 * planned["entries"] <= peak["entries"] <= 1.25 * planned["entries"], (
         peak, planned)
     print(json.dumps({"peak": peak, "planned": planned}))  # the figures, for the record

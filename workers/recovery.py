@@ -180,17 +180,16 @@ class Recovered:
     seconds: float            # time the replay took
 
 
-def restore_checkpoint(blob: bytes, cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
+def restore_checkpoint(state: dict, cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
                        is_embedding: Callable[[str], bool], sent: Mapping[int, bytes],
                        max_bytes: int) -> FragmentSyncer:
-    """A fragment's :class:`FragmentSyncer` from its checkpoint `blob` (a `broker.state`
-    document) and the snapshots of the versions before it that `sent` holds (version → snapshot
-    blob: the values stale contributions are anchored at).
+    """A fragment's :class:`FragmentSyncer` from its checkpoint `state` (`read_checkpoint`'s)
+    and the snapshots of the versions before it that `sent` holds (version → snapshot blob:
+    the values stale contributions are anchored at).
 
     Raises:
-        DecodeError: The checkpoint or a snapshot is malformed.
+        DecodeError: A snapshot is malformed.
     """
-    state = unpack_state(blob, max_bytes=capacity.state_limit(shapes), shapes=shapes)
     history = {}
     for v, snap in sent.items():
         header, tensors = codec.unpack_snapshot(snap, max_bytes=max_bytes)
@@ -216,28 +215,41 @@ def committed_theta(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,
     Raises:
         RecoveryError: As :func:`recover`.
     """
-    limit = capacity.state_limit(shapes)
-    try:
-        blob = pieces.read(r, fk.state, max_bytes=limit, what=f"fragment {fk.fragment}'s state")
-        if blob is None:
-            raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
-        state = unpack_state(blob, max_bytes=limit, shapes=shapes)
-    except DecodeError as e:
-        raise RecoveryError(f"fragment {fk.fragment}: the checkpoint cannot be read: {e}") from e
-    del blob
+    state = read_checkpoint(r, fk, shapes)
     last = committed_version(r, fk)
     if last is None or last <= state["version"]:
         return state["theta"], int(state["version"])
-    del state
-    rec = recover(r, fk, cfg, shapes, is_embedding, archive_dir=archive_dir)
+    rec = recover(r, fk, cfg, shapes, is_embedding, archive_dir=archive_dir, state=state)
     return rec.core.theta, rec.core.version
+
+
+def read_checkpoint(r: redis.Redis, fk: FragmentKeys, shapes: Mapping[str, tuple[int, ...]],
+                    blob: bytes | bytearray | None = None) -> dict:
+    """The fragment's checkpoint decoded (`broker.state.unpack_state`): `blob`, or read from
+    Redis (in pieces or whole) when not given.
+
+    Raises:
+        RecoveryError: No checkpoint, or one that does not decode.
+    """
+    limit = capacity.state_limit(shapes)
+    try:
+        if blob is None:
+            blob = pieces.read(r, fk.state, max_bytes=limit,
+                               what=f"fragment {fk.fragment}'s state")
+        if blob is None:
+            raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
+        return unpack_state(blob, max_bytes=limit, shapes=shapes)
+    except DecodeError as e:
+        raise RecoveryError(f"fragment {fk.fragment}: the checkpoint cannot be read: {e}") from e
 
 
 def recover(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,
             shapes: Mapping[str, tuple[int, ...]], is_embedding: Callable[[str], bool],
-            archive_dir: str | Path | None = None, blob: bytes | None = None) -> Recovered:
-    """The fragment's state at its latest committed version: the checkpoint (`blob`, read
-    from Redis when not given), then every round recorded after it replayed and verified.
+            archive_dir: str | Path | None = None, blob: bytes | None = None,
+            state: dict | None = None) -> Recovered:
+    """The fragment's state at its latest committed version: the checkpoint (`state` decoded
+    already, else `blob`, else read from Redis), then every round recorded after it replayed
+    and verified.
 
     With the delta down link the recovered value is re-published whole (as a restored one
     always was: a delta is no use to a learner that missed its base).
@@ -248,20 +260,17 @@ def recover(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,
             from its record.
     """
     max_bytes = cfg.broker.max_payload_bytes
+    if state is None:
+        state = read_checkpoint(r, fk, shapes, blob)
+    del blob  # decoded: its arrays are the state's now
     try:
-        if blob is None:
-            blob = pieces.read(r, fk.state, max_bytes=capacity.state_limit(shapes),
-                               what=f"fragment {fk.fragment}'s state")
-        if blob is None:
-            raise RecoveryError(f"fragment {fk.fragment}: no checkpoint")
-        version = int(unpack_state(blob, max_bytes=capacity.state_limit(shapes),
-                                   shapes=shapes)["version"])
+        version = int(state["version"])
         lo = max(0, version - cfg.effective_sync().max_staleness)
         vs = list(range(lo, version + 1))
         sent = {v: b for v, b in zip(vs, pieces.read_many(
             r, [fk.sent(v) for v in vs], max_bytes=max_bytes, what="snapshot"), strict=True)
                 if b is not None}
-        core = restore_checkpoint(blob, cfg, shapes, is_embedding, sent, max_bytes)
+        core = restore_checkpoint(state, cfg, shapes, is_embedding, sent, max_bytes)
     except DecodeError as e:
         raise RecoveryError(f"fragment {fk.fragment}: the checkpoint cannot be read: {e}") from e
     out = Recovered(core, version, 0, 0.0)

@@ -240,8 +240,8 @@ class FencedState:
             log.warning("fragment %d: lease expired during %s; taken again", p, what)
         pipe = self.r.pipeline(transaction=True)
         try:
-            pipe.watch(self.keys.fragment(p).lease, *watch)
-            self._check_lease(pipe.get(self.keys.fragment(p).lease), owner, p)
+            pipe.watch(lease, *watch)
+            self._check_lease(pipe.get(lease), owner, p)
             pieces.watch_staged(pipe, staged.values())
             yield pipe, staged
         except redis.WatchError as e:

@@ -349,7 +349,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> 
                     signing.sign_record, sign[n], "bench", "heartbeat", n) if sign else None)
             lat = []
             version = 0
-            rss_before = _rss_peak(proc.pid)
+            rss_before = rss_peak(proc.pid)
             t_start = time.perf_counter()
             for rnd in range(rounds):
                 for m in range(M):
@@ -367,7 +367,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> 
                 lat.append(time.perf_counter() - t_last)
                 version = msg[0].version
             elapsed = time.perf_counter() - t_start
-            peak = _rss_peak(proc.pid)
+            peak = rss_peak(proc.pid)
             sub.close()
             zctx.term()
         finally:
@@ -385,7 +385,7 @@ def _syncer_run(M: int, rounds: int, *, latency: bool, secure: bool = False) -> 
     return out
 
 
-def _rss_peak(pid: int) -> int:
+def rss_peak(pid: int) -> int:
     """VmHWM (peak resident set) of a process, in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

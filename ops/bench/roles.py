@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from ops.bench.pipeline import rss_peak
 from ops.cluster import RedisServer
 from pipeline import config as cfgmod
 from pipeline.fragments import fragment_sizes, partition
@@ -40,16 +41,6 @@ def _role(cmd: str) -> str | None:
         return "syncer"
     if " ops.cli run " in f" {cmd} ":
         return "launcher"
-    return None
-
-
-def _hwm(pid: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
     return None
 
 
@@ -94,7 +85,11 @@ def run_size(d_model: int, n_layers: int, steps: int = STEPS) -> dict:
                                 b"\0", b" ").decode(errors="replace")
                         except OSError:
                             continue
-                        role, hwm = _role(cmd), _hwm(str(pid))
+                        role = _role(cmd)
+                        try:
+                            hwm = rss_peak(pid)
+                        except (OSError, RuntimeError):  # it ended meanwhile
+                            continue
                         if role and hwm:
                             peaks[(role, pid)] = max(peaks.get((role, pid), 0), hwm)
                     time.sleep(0.2)

@@ -10,13 +10,27 @@ from __future__ import annotations
 
 import argparse
 
-from ops.cli import bench, chaos, data, goodput, lab, plan, roles, run, security, tensorboard, tools
+from ops.cli import (
+    bench,
+    chaos,
+    dashboard,
+    data,
+    goodput,
+    lab,
+    plan,
+    roles,
+    run,
+    security,
+    tensorboard,
+    tools,
+)
 from workers import native
 from workers.common import apply_environment
 from workers.heap import keep_freed_memory
 
 # In the order they appear in --help.
-_COMMANDS = (run, roles, tools, data, tensorboard, security, chaos, lab, bench, goodput, plan)
+_COMMANDS = (run, roles, tools, dashboard, data, tensorboard, security, chaos, lab, bench, goodput,
+             plan)
 # The compiled kernels are installed only where they run: the merge kernels in the commands
 # that merge in this process (building them on first use; `replay` only loads a library already
 # built, else merges with numpy: the same bits), the fused step kernels in those that train

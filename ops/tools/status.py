@@ -15,7 +15,7 @@ from broker.errors import DecodeError
 from broker.ids import as_text
 from broker.keys import GROUP, RunKeys
 from broker.records import RoundRecord, SyncerInfo
-from workers.common import open_run
+from workers.common import RunContext, open_run
 
 STATES = ("training", "finished", "restarting", "gone")  # of a learner, in a progress snapshot
 ETA_MIN_PROGRESS = 0.02
@@ -46,9 +46,10 @@ def verified_live(live: Iterable[str], syncers: Mapping[str, SyncerInfo]
     return live & verified, live - verified
 
 
-def collect(redis_url: str, run: str) -> dict:
-    """Everything `status` shows, as plain data (the stable `--json` output)."""
-    ctx = open_run(redis_url, run, wait_s=0, verify=False)
+def collect(redis_url: str, run: str, ctx: RunContext | None = None) -> dict:
+    """Everything `status` shows, as plain data (the stable `--json` output); `ctx`: the run
+    already opened (the dashboard reads it every second)."""
+    ctx = ctx or open_run(redis_url, run, wait_s=0, verify=False)
     r, keys, cfg, run_hash, n_frags = ctx.r, ctx.keys, ctx.cfg, ctx.run_hash, len(ctx.fragments)
     syncers = registry.syncer_records(r, keys)
     live, unverified = verified_live(registry.live_learners(r, keys), syncers)
@@ -61,8 +62,8 @@ def collect(redis_url: str, run: str) -> dict:
                           "verified": (name not in unverified) if signed else None,
                           "last_heartbeat_age_s": time.time() - hb.t,
                           **{k: getattr(hb, k) for k in (
-                              "step", "tokens", "tokens_per_s", "step_s", "versions",
-                              "pushes_attempted", "pushes_acked", "bytes_sent",
+                              "step", "tokens", "tokens_per_s", "step_s", "versions", "loss",
+                              "host", "pushes_attempted", "pushes_acked", "bytes_sent",
                               "bytes_received", "handshake_failures")}}
         fin = finals.get(name)
         if fin is not None:  # the end-of-run report is newer than the last heartbeat

@@ -17,6 +17,13 @@ command -v cc >/dev/null || command -v gcc >/dev/null || need_apt+=(gcc libc6-de
 command -v c++ >/dev/null || command -v g++ >/dev/null || need_apt+=(g++)
 # diloco lab (and its tests, as root): network namespaces, veth links and tc shaping
 { command -v ip >/dev/null && command -v tc >/dev/null; } || need_apt+=(iproute2)
+# the tests: the dashboard's page is checked in a real headless Chromium (the test fails
+# without it when started from here)
+if [ "$what" = test ]; then
+  export DILOCO_REQUIRE_BROWSER=1
+  { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } ||
+    need_apt+=(chromium chromium-driver)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing ${need_apt[*]} with apt-get" >&2
   $SUDO apt-get update -qq

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,8 @@ def recipe() -> list[tuple[str, str]]:
 def test_the_recipe_is_what_the_readme_shows():
     steps = recipe()
     assert [w for w, _ in steps] == ["operator", "redis", *["operator"] * 5, "syncer",
-                                     "learner", "anywhere"], steps
+                                     "learner", "anywhere", "anywhere"], steps
+    assert steps[-1][1].startswith("diloco dashboard")
     assert steps[0][1].startswith("diloco secure init") and "bundle" in steps[5][1]
 
 
@@ -114,6 +116,24 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
                     learners.append(shell(cmd.replace("L0", lid), host, lid, wait=False))
                 for lid, p in zip(("L0", "L1"), learners, strict=True):
                     assert p.wait(240) == 0, (logs / f"{lid}.log").read_text()[-3000:]
+            elif cmd.startswith("diloco dashboard"):  # as the reader, over TLS and the ACL
+                port = free_port()
+                dash = shell(f"exec {cmd} --port {port}", tmp_path, "dashboard", wait=False)
+                url = f"http://127.0.0.1:{port}/api/state"
+                deadline = time.monotonic() + 60
+                while True:
+                    assert dash.poll() is None, (logs / "dashboard.log").read_text()[-3000:]
+                    try:
+                        st = json.loads(urllib.request.urlopen(url, timeout=2).read())
+                        break
+                    except OSError:
+                        assert time.monotonic() < deadline, "the dashboard did not answer"
+                        time.sleep(0.2)
+                assert st["error"] is None and st["rounds"] >= 2, st
+                assert {ln["id"]: ln["state"] for ln in st["learners"]} == {
+                    "L0": "finished", "L1": "finished"}, st
+                dash.terminate()
+                dash.wait(10)
             else:  # anywhere: status once (not --watch), then what an operator looks at
                 status = json.loads(shell(cmd.replace("--watch", "--json"), tmp_path,
                                           "status").strip().splitlines()[-1])

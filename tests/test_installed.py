@@ -18,10 +18,12 @@ import sys
 import sysconfig
 import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from ops.cluster.redis_server import free_port
 from pipeline import config as cfgmod
 from tests.test_e2e import TINY
 
@@ -187,6 +189,7 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     assert plot
     tb = cli("tensorboard", str(work / "runs" / "main"), "--out", "tb", "--json", tools=True)
     assert tb["records"] > 0 and any((work / "tb").iterdir())
+    _check_dashboard(diloco, work, tools_env, url)
     assert not marker.exists(), marker.read_text()
     assert not (work / "empty-kernel-cache").exists() or not any(
         (work / "empty-kernel-cache").iterdir())
@@ -205,3 +208,35 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     done = _run([diloco, "bench", "step-matrix", "--reps", "1", "--settings", "alone",
                  "--variants", "shipped", "--bare-steps", "2", "--out", "bench"], work, env)
     assert "| alone |" in done.stdout
+
+
+def _check_dashboard(diloco: str, work: Path, env: dict, url: list[str]) -> None:
+    """The dashboard serves its page and script from the installed package, and the finished
+    run's learners."""
+    port = free_port()
+    proc = subprocess.Popen([diloco, "dashboard", "--run", "hand", *url, "--port", str(port)],
+                            cwd=work, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "diloco dashboard exited"
+            try:
+                page = urllib.request.urlopen(base, timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the dashboard did not answer"
+                time.sleep(0.2)
+        assert b"dashboard.js" in page
+        assert b"api/state" in urllib.request.urlopen(base + "dashboard.js", timeout=5).read()
+        st = json.loads(urllib.request.urlopen(base + "api/state", timeout=5).read())
+        assert {ln["id"]: ln["state"] for ln in st["learners"]} == {"L0": "finished",
+                                                                  "L1": "finished"}, st
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,9 +1,13 @@
 """A live run started the separate-hosts way (`diloco init`, `diloco syncer`, `diloco learner`),
-observed while it trains: `status --json`, `inspect --json` and the Prometheus endpoints."""
+observed while it trains: `status --json`, `inspect --json`, the Prometheus endpoints, and
+`diloco dashboard` in a real headless Chromium through a learner's kill and restart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,9 +47,106 @@ def wait_for(pred, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_status_inspect_and_metrics_during_a_run(tmp_path, redis_url):
+@contextlib.contextmanager
+def browser(tmp_path):
+    """Debian's headless Chromium driven by Selenium through Debian's chromedriver; None where
+    they are missing (a failure when the quick start runs the tests: it installs them)."""
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_bin):
+        assert not os.environ.get("DILOCO_REQUIRE_BROWSER"), \
+            "chromium and chromedriver are missing (apt-get install chromium chromium-driver)"
+        yield None
+        return
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--window-size=1400,1100",
+                f"--user-data-dir={tmp_path / 'chromium'}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+_VIEW = """
+const rows = Array.from(document.querySelectorAll('#learners tbody tr'));
+const line = document.querySelector('#loss polyline[data-series="L0"]');
+return [Object.fromEntries(rows.map(tr => [tr.dataset.learner, tr.dataset.state])),
+        line ? Number(line.dataset.points) : 0,
+        Array.from(document.querySelectorAll('#events tbody tr')).map(tr => tr.dataset.kind)];
+"""
+
+
+def dashboard_view(page, url: str) -> tuple[dict, int, set]:
+    """(learner → state, points of L0's loss curve, event kinds) as the page shows them, or
+    as its JSON says where no browser runs."""
+    if page is not None:
+        states, points, kinds = page.execute_script(_VIEW)
+        return states, points, set(kinds)
+    st = json.loads(urllib.request.urlopen(url + "api/state", timeout=5).read())
+    return ({ln["id"]: ln["state"] for ln in st["learners"]}, len(st["loss"].get("L0", [])),
+            {e["kind"] for e in st["events"]})
+
+
+def check_dashboard(tmp_path, base: list[str], procs: list, learner_cmd) -> None:
+    """The page shows both learners and a growing loss curve; L1 killed goes down, restarted
+    comes back, and the timeline says so; a screenshot is written."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    dash = subprocess.Popen([sys.executable, "-m", "ops.cli", "dashboard", *base, "--port",
+                             str(port), "--interval-s", "0.25"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _up(url, dash), 60, "the dashboard to answer")
+        with browser(tmp_path) as page:
+            if page is not None:
+                page.get(url)
+            states, points, _ = wait_for(
+                lambda: (v := dashboard_view(page, url))[0] == {"L0": "live", "L1": "live"}
+                and v[1] >= 2 and v, 30, "both learners live on the page")
+            wait_for(lambda: dashboard_view(page, url)[1] >= points + 3, 30,
+                     "the loss curve to grow")
+            procs[2].kill()
+            procs[2].wait()
+            wait_for(lambda: dashboard_view(page, url)[0].get("L1") == "down", 30,
+                     "the killed learner shown down")
+            procs[2] = learner_cmd("L1")
+            _, _, kinds = wait_for(lambda: (v := dashboard_view(page, url))[0].get("L1")
+                                   == "live" and v, 60, "the restarted learner shown live")
+            assert {"join", "down"} <= kinds, kinds
+            assert kinds & {"back", "rejoin"}, kinds
+            if page is not None:
+                shot = tmp_path / "dashboard.png"
+                assert page.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+                assert page.find_element("id", "error").is_displayed() is False
+    finally:
+        dash.terminate()
+        try:
+            dash.wait(10)
+        except subprocess.TimeoutExpired:
+            dash.kill()
+            dash.wait()
+        dash.stderr.close()
+
+
+def _up(url: str, proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"diloco dashboard exited: {proc.stderr.read()[-2000:]}")
+    try:
+        return urllib.request.urlopen(url + "api/state", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def test_status_inspect_metrics_and_the_dashboard_during_a_run(tmp_path, redis_url):
     cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 100_000,
-                            "broker": {"heartbeat_s": 0.25}})
+                            "broker": {"heartbeat_s": 0.25, "heartbeat_ttl_s": 1.5}})
     (tmp_path / "c.toml").write_text(cfgmod.dumps_toml(cfg))
     init = cli("init", "--redis-url", redis_url, "--run", "live", "--config",
                str(tmp_path / "c.toml"))
@@ -59,11 +160,14 @@ def test_status_inspect_and_metrics_during_a_run(tmp_path, redis_url):
     procs = [subprocess.Popen([sys.executable, "-m", "ops.cli", "syncer", *base,
                                "--metrics-port", str(ports["syncer"])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    for name in ("L0", "L1"):
-        procs.append(subprocess.Popen(
+
+    def start_learner(name: str) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "learner", *base, "--id", name, "--pace-s", "0.03",
              "--metrics-port", str(ports[name])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs += [start_learner("L0"), start_learner("L1")]
     try:
         r = connect(redis_url)
         keys = RunKeys("live")
@@ -98,6 +202,8 @@ def test_status_inspect_and_metrics_during_a_run(tmp_path, redis_url):
         assert syncer["diloco_syncer_rounds_total"] >= 6
         assert syncer["diloco_syncer_lost_total"] == 0
         assert syncer['diloco_syncer_fragment_version{fragment="0"}'] >= 3
+
+        check_dashboard(tmp_path, base, procs, start_learner)
 
         registry.request_finish(r, keys)  # end training early: flush, final rounds, exit
         for p in procs:

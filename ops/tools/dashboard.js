@@ -54,7 +54,7 @@ function fillTable(id, rows, cells, key) {
     if (key) for (const [k, v] of Object.entries(key(row))) tr.dataset[k] = v;
     for (const c of cells(row)) {
       const td = el("td", {}, null);
-      if (c instanceof Node) td.append(c); else td.textContent = c;
+      if (c instanceof Node) td.append(c); else { td.textContent = c; td.title = c; }
       if (typeof c === "string" && /^[–\d,.\s-]+$/.test(c)) td.className = "num";
       tr.append(td);
     }

@@ -85,6 +85,9 @@ class Board:
         self._merged_s = 0.0  # fragment-weighted learner-seconds merged after all joined
         self._was_live: dict[str, bool] = {}
         self._acked: dict[str, tuple[int, float]] = {}  # learner → (pushes acked, when it grew)
+        # learner → bytes (up, down) its earlier processes counted (a restart counts from 0)
+        self._carried: dict[str, tuple[int, int]] = {}
+        self._counted: dict[str, tuple[int, int]] = {}
         self._rounds: dict[str, tuple[int, float]] = {}  # syncer → (rounds, t) of last poll
         self._rate: dict[str, float] = {}
         self._offset = 0
@@ -157,13 +160,19 @@ class Board:
             acked = int(_num(rec.get("pushes_acked")) or 0)
             if acked != self._acked.get(name, (None, 0.0))[0]:
                 self._acked[name] = (acked, now)
-            up += int(_num(rec.get("bytes_sent")) or 0)
-            down += int(_num(rec.get("bytes_received")) or 0)
+            sent = int(_num(rec.get("bytes_sent")) or 0)
+            received = int(_num(rec.get("bytes_received")) or 0)
+            last, carried = self._counted.get(name, (0, 0)), self._carried.get(name, (0, 0))
+            if sent < last[0] or received < last[1]:  # a new process: its counters restart
+                carried = self._carried[name] = (carried[0] + last[0], carried[1] + last[1])
+            self._counted[name] = (sent, received)
+            up += carried[0] + sent
+            down += carried[1] + received
         self.bytes.append((now, up, down))
 
     def _point(self, name: str, point: tuple[float, float, float]) -> None:
         curve = self.loss.setdefault(name, deque(maxlen=HISTORY))
-        if not curve or point[1] > curve[-1][1]:  # one point per step seen
+        if not curve or (point[1] != curve[-1][1] and point[0] > curve[-1][0]):  # one per step
             curve.append(point)
 
     def _take_syncers(self, snap: dict, now: float) -> None:

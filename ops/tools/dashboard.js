@@ -167,7 +167,8 @@ function draw(s) {
   legend("loss-legend", lossSeries);
   chart("eval", [{name: "eval", points: s.eval.map(p => [p[1], p[2]])}], "tokens",
         x => num(x));
-  document.getElementById("eval-note").textContent = s.eval.length ? "" :
+  document.getElementById("eval-note").textContent = s.eval.length ? "" : s.run_dir ?
+    "no evaluation records in the run folder yet" :
     "evaluated by `diloco run`'s launcher: start the dashboard with --run-dir of its folder";
   const byteSeries = [
     {name: "up (learners → Redis)", color: "#1f77b4", points: s.bytes.map(p => [p[0], p[1]])},

@@ -260,6 +260,7 @@ class Board:
             up, down = (self.bytes[-1][1:] if self.bytes else (0, 0))
             return {
                 "run": _text(self.run, 64), "now": now, "error": self.error,
+                "run_dir": self.run_dir is not None,
                 "mode": snap.get("mode"), "learners_expected": self.ctx.cfg.learners,
                 "rounds": snap.get("rounds"), "done": bool(snap.get("done")),
                 "learners": learners, "syncers": syncers, "fragments": fragments,

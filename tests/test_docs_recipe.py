@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 from helpers_broker import end_processes, tiny_config
 
+from broker.connection import resolve_tls_files
+from ops.cli.tools import redis_cli_command
 from ops.cluster import free_port
 from pipeline import config as cfgmod
 
@@ -146,10 +149,49 @@ def test_the_readme_hardened_recipe_runs_as_written(tmp_path):
                           "XLEN 'ddl:{exp1/f0001}:frags'", tmp_path, "redis-cli")
                 assert int(n.strip()) >= 1, n
         assert syncer.wait(60) == 0, (logs / "syncer.log").read_text()[-3000:]
+        check_recipes_redis_cli(tmp_path, "exp1")  # after the run: one example stops it
         learner_log = (logs / "L0.log").read_text()
         assert "CURVE handshake" not in learner_log and "Traceback" not in learner_log
     finally:
         end_processes(procs, handles)
+
+
+def recipes_rc_lines() -> list[list[str]]:
+    """The arguments of every ``$ rc …`` example of docs/RECIPES.md (its comment and any
+    ``| grep`` dropped)."""
+    out = []
+    for line in (REPO / "docs" / "RECIPES.md").read_text().splitlines():
+        if line.startswith("$ rc "):
+            out.append(shlex.split(line[len("$ rc "):].split(" | ")[0], comments=True))
+    return out
+
+
+# RECIPES §2: which URL each example needs (the reader's, unless it writes or is an admin's)
+ADMIN, WRITES = ("INFO", "CONFIG"), ("SET", "HDEL", "DEL")
+
+
+def check_recipes_redis_cli(tmp_path: Path, run: str) -> None:
+    """Every redis-cli example of RECIPES.md, as written but for the run name, against the
+    hardened Redis through `diloco redis-cli`'s argv: the reader's URL, the operator's for a
+    write and the admin's for INFO and CONFIG, as the page says. Each exits 0 with no error."""
+    urls = {role: resolve_tls_files(path.read_text().splitlines()[0], path.parent)
+            for role, path in (("reader", tmp_path / "hosts/reader/reader.url"),
+                               ("operator", tmp_path / "hosts/operator/operator.url"),
+                               ("admin", tmp_path / "redis-files/admin.url"))}
+    examples = recipes_rc_lines()
+    assert len(examples) >= 25
+    for args in examples:
+        args = [re.sub(r"\{ops2?([/}])", lambda m: "{" + run + m.group(1), a) for a in args]
+        cmd = next(a.upper() for a in args if not a.startswith("-"))
+        role = "admin" if cmd in ADMIN else "operator" if cmd in WRITES else "reader"
+        argv, env = redis_cli_command(urls[role], args)
+        done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, timeout=30)
+        out = (done.stdout + done.stderr).decode(errors="replace")  # payloads are binary
+        errors = [ln for ln in out.splitlines()
+                  if re.match(r"(\(error\) )?(ERR|NOPERM|WRONGTYPE|NOAUTH|WRONGPASS)\b", ln)
+                  or "Could not connect" in ln]
+        assert done.returncode == 0 and not errors, (role, args, out[-2000:])
+        assert "REDISCLI_AUTH" not in " ".join(argv)
 
 
 @pytest.fixture(autouse=True)

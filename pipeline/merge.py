@@ -122,8 +122,10 @@ class StreamingMerge:
         self.total_weight = 0.0
         self.count = 0
         self._rda = {k: method == "rda" and not is_embedding(k) for k in shapes}
-        # fp64 sums make the fp32 result (almost always) independent of arrival order.
-        self._sum = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
+        # fp64 sums make the fp32 result (almost always) independent of arrival order. Each is
+        # allocated at its tensor's first contribution: a syncer keeps a round open for every
+        # fragment it owns, and an empty one holds no memory (8 bytes a value otherwise)
+        self._sum: dict[str, np.ndarray] = {}
         self._sum_norm = {k: 0.0 for k in shapes}
         # anchor id → (the anchor's tensors, ‖a‖² per tensor, Σ c per tensor)
         self._anchors: dict[object, tuple[Mapping[str, np.ndarray], dict[str, float],
@@ -176,7 +178,7 @@ class StreamingMerge:
             else:
                 coefs[k] = (weight, 0.0)
         live = [k for k in names if coefs[k] is not None]
-        kernels.axpy([(self._sum[k], delta[k], coefs[k][0] * s) for k in live])
+        kernels.axpy([(self._sum_of(k), delta[k], coefs[k][0] * s) for k in live])
         for k in live:
             c, wn = coefs[k]
             self._sum_norm[k] += wn
@@ -186,13 +188,20 @@ class StreamingMerge:
         self.count += 1
         return dnorm
 
+    def _sum_of(self, k: str) -> np.ndarray:
+        s = self._sum.get(k)
+        if s is None:
+            s = self._sum[k] = np.zeros(self.shapes[k], np.float64)
+        return s
+
     def result(self) -> dict[str, np.ndarray]:
         """The merged outer gradient (fp32). Raises ValueError if nothing was added."""
         if self.count == 0:
             raise ValueError("no contributions to merge")
         out = {}
-        for k, s in self._sum.items():
-            mean = s.copy()
+        for k in self.shapes:
+            s = self._sum.get(k)
+            mean = s.copy() if s is not None else np.zeros(self.shapes[k], np.float64)
             kernels.axpy([(mean, anchor[k], coef[k]) for anchor, _, coef in
                           self._anchors.values() if coef[k] != 0.0])
             np.divide(mean, self.total_weight, out=mean)  # in place: the same bits, no copies
@@ -291,6 +300,12 @@ class TrimmedMerge:
         if not out or w[[i for i in range(n) if i not in out]].sum() <= 0.5 * w.sum():
             return []
         return out
+
+    def _sum_of(self, k: str) -> np.ndarray:
+        s = self._sum.get(k)
+        if s is None:
+            s = self._sum[k] = np.zeros(self.shapes[k], np.float64)
+        return s
 
     def result(self) -> dict[str, np.ndarray]:
         """The merged outer gradient (fp32). Raises ValueError if nothing was added."""

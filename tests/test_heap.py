@@ -70,3 +70,39 @@ def test_it_is_applied_once_and_can_be_turned_off(monkeypatch):
     assert heap.keep_freed_memory() == "off"
     monkeypatch.setenv(heap.ENV, "1")
     assert heap.keep_freed_memory() == "off"  # once per process: the first answer stands
+
+
+RETURN_SCRIPT = r"""
+import json, sys
+from workers.heap import return_freed_memory
+import numpy as np
+result = return_freed_memory()
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+big = np.ones(4 << 20, np.uint8)  # freed: glibc's default raises its mapping threshold past it
+del big
+arrays = [np.ones(2 << 20, np.uint8) for _ in range(200)]  # 400 MiB in 2 MiB arrays
+before = rss()
+del arrays[::2]  # every other one: holes a heap cannot give back
+print(json.dumps({"result": result, "freed": before - rss()}))
+"""
+
+
+@pytest.mark.parametrize("env_value", [None, "1"])
+def test_the_syncer_gives_freed_arrays_back_unless_told_to_keep_them(env_value):
+    env = dict(os.environ)
+    env.pop(heap.ENV, None)
+    if env_value is not None:
+        env[heap.ENV] = env_value
+    done = subprocess.run([sys.executable, "-c", RETURN_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout)
+    if env_value is None:
+        assert got["result"] == "returned" and got["freed"] > 150 * 2**20, got
+    else:
+        assert got["result"] == "kept" and got["freed"] < 50 * 2**20, got

@@ -1,10 +1,9 @@
 """The syncer role: merge fragment streams into rounds, commit them in Redis, publish over ZeroMQ.
 
-A loop around three parts: the pure per-fragment state machine (`pipeline.syncer`), the Redis
-stream adapter (`broker.streams`) and the ZeroMQ publisher (`broker.pubsub`). A round's effects
-(state, snapshot, round record, XACKs) commit in one MULTI/EXEC fenced by the fragment lease;
-publishing happens after the commit, so a crash between the two only delays the publish (the
-restarted syncer re-publishes the committed values).
+A loop around the pure per-fragment state machine (`pipeline.syncer`), the Redis stream adapter
+(`broker.streams`) and the ZeroMQ publisher (`broker.pubsub`). A round's effects (state,
+snapshot, round record, XACKs) commit in one MULTI/EXEC fenced by the fragment lease; publishing
+follows the commit, so a crash between the two only delays it (a restart re-publishes).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from pipeline import capacity, kernels
 from pipeline.fragments import assign, fragment_sizes
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FINAL_FLUSH, FragmentSyncer, RoundRefused, RoundResult
-from workers import native, recovery
+from workers import heap, native, recovery
 from workers.common import RunContext, apply_environment, open_run
 
 # the command line and the configuration, re-exported: `workers.syncer.parse_args`, and
@@ -133,8 +132,8 @@ class Syncer:
     def _init_params(self) -> dict[str, np.ndarray]:
         """The run's initial parameters (for fragments without state yet), built once."""
         if self._init is None:
-            self._init = {k: np.asarray(v) for k, v in
-                          self.ctx.task.init_params(self.run_cfg.seed).items()}
+            self._init = {k: np.asarray(v) for k, v in self.ctx.task.init_params(
+                self.run_cfg.seed).items()}
         return self._init
 
     def _adopt(self, ps: list[int]) -> None:
@@ -860,6 +859,7 @@ LIVENESS_S = 60.0
 
 def main(cfg: SyncerConfig) -> int:
     """Run one syncer until the run ends (or `max_rounds`). Returns the exit code."""
+    heap.return_freed_memory()  # before the merge threads: what a round frees goes back
     native.install()
     kernels.set_threads(cfg.merge_threads or min(8, len(os.sched_getaffinity(0))))
     apply_environment()

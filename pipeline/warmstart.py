@@ -21,6 +21,8 @@ from pipeline.config import ConfigError
 
 SAFETENSORS_EXTRA = "reading .safetensors needs the safetensors package: pip install " \
                     "'decoupled-diloco[safetensors]'"
+ORBAX_EXTRA = "reading an Orbax checkpoint needs orbax-checkpoint: pip install " \
+              "'decoupled-diloco[orbax]'"
 _SKIP = {"config_toml", "versions"}  # the export's own metadata arrays
 
 
@@ -31,9 +33,11 @@ def read_values(path: str | Path) -> dict[str, np.ndarray]:
         ConfigError: the file is missing or unreadable, or safetensors is not installed.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"init_from: {path} is not a file")
+    if not path.exists():
+        raise ConfigError(f"init_from: {path} does not exist")
     try:
+        if path.is_dir():
+            return _orbax_values(path)
         if path.suffix == ".safetensors":
             try:
                 import safetensors.numpy
@@ -48,8 +52,35 @@ def read_values(path: str | Path) -> dict[str, np.ndarray]:
     except ConfigError:
         raise
     except Exception as e:  # a corrupt file: numpy, zipfile and safetensors raise their own
-        raise ConfigError(f"init_from: {path} is not a readable .npz or .safetensors "
+        raise ConfigError(f"init_from: {path} is not a readable .npz, .safetensors or Orbax "
                           f"checkpoint ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _orbax_values(path: Path) -> dict[str, np.ndarray]:
+    """An Orbax checkpoint's arrays by path name (``layers/0/attn/wq``): a `diloco export`
+    (its ``params`` item), or any checkpoint of one tree (`StandardCheckpointer`'s)."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ConfigError(f"init_from: {ORBAX_EXTRA}") from e
+    if (path / "params").is_dir() and (path / "diloco").is_dir():
+        path = path / "params"
+    with ocp.StandardCheckpointer() as ck:
+        tree = ck.restore(path.resolve())
+    out: dict[str, np.ndarray] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}/")
+        elif isinstance(node, list | tuple):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}{i}/")
+        else:
+            out[prefix[:-1]] = np.asarray(node)
+
+    walk(tree, "")
+    return out
 
 
 def initial_values(path: str | Path, shapes: Mapping[str, tuple[int, ...]],

@@ -21,6 +21,7 @@ from test_e2e import TINY
 
 from broker.keys import GROUP, RunKeys
 from ops.cli import main
+from ops.cluster import artifacts
 from ops.cluster.artifacts import load_checkpoint
 from ops.cluster.redis_server import RedisServer
 from ops.tools import checkpoint as tools
@@ -223,6 +224,38 @@ def test_export_as_safetensors_is_read_by_the_ecosystem_and_by_eval(finished, ca
     safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     code, _, err = cli(capsys, "eval", str(tmp_path / "other.safetensors"))
     assert code == 2 and "without a diloco configuration" in err, err
+
+
+def test_export_as_orbax_is_read_by_orbax_and_by_eval(finished, capsys, tmp_path):
+    """Orbax's own reader restores the exported tree (the task's names, split at '/'); eval of
+    the folder gives the checkpoint's loss; a tree with a llama's path names comes back whole."""
+    import orbax.checkpoint as ocp
+
+    rep = cli_json(capsys, "export", "--redis-url", finished.url, "--run", finished.run,
+                   "--out", str(tmp_path / "global"), "--format", "orbax")
+    assert rep["out"] == str(tmp_path / "global.orbax") and rep["bytes"] > 0
+    with ocp.StandardCheckpointer() as ck:
+        theirs = ck.restore(Path(rep["out"]).resolve() / "params")
+    saved, _ = load_checkpoint(finished.run_dir / "checkpoint.npz")
+    assert sorted(theirs) == sorted(saved)
+    for k, v in saved.items():
+        assert theirs[k].dtype == np.float32
+        np.testing.assert_array_equal(theirs[k], v, err_msg=k)
+    assert tools.read_checkpoint(rep["out"])[2] == finished.summary["versions"]
+    ev = cli_json(capsys, "eval", rep["out"])
+    assert ev["eval_loss"] == cli_json(capsys, "eval", str(finished.run_dir / "checkpoint.npz")
+                                       )["eval_loss"]
+    tree = artifacts.nest({"layers/0/attn/wq": np.ones(2), "layers/1/mlp/w": np.zeros(3),
+                           "embed": np.ones(1)})
+    assert sorted(tree) == ["embed", "layers"] and sorted(tree["layers"]) == ["0", "1"]
+    assert sorted(artifacts.unnest(tree)) == ["embed", "layers/0/attn/wq", "layers/1/mlp/w"]
+    with pytest.raises(ValueError, match="collide"):
+        artifacts.nest({"a": np.ones(1), "a/b": np.ones(1)})
+    # an Orbax checkpoint that diloco did not write is refused in one line
+    with ocp.StandardCheckpointer() as ck:
+        ck.save((tmp_path / "other.orbax").resolve(), {"w": np.zeros(2, np.float32)})
+    code, _, err = cli(capsys, "eval", str(tmp_path / "other.orbax"))
+    assert code == 2 and "without diloco's configuration" in err, err
 
 
 # ----------------------------------------------------------------------------- plot

@@ -34,9 +34,15 @@ def _values(cfg: cfgmod.RunConfig, scale: float = 0.5) -> dict[str, np.ndarray]:
 def test_an_export_or_a_plain_file_starts_the_run_with_its_values(tmp_path):
     cfg = _cfg()
     values = _values(cfg)
+    import orbax.checkpoint as ocp
+
     save_checkpoint(tmp_path / "export.npz", values, cfg)
+    save_checkpoint(tmp_path / "export.orbax", values, cfg)
     np.savez(tmp_path / "plain.npz", **{k: v.astype(np.float64) for k, v in values.items()})
-    for name in ("export.npz", "plain.npz"):
+    with ocp.StandardCheckpointer() as ck:  # another JAX program's checkpoint of its tree
+        ck.save((tmp_path / "plain.orbax").resolve(),
+                {k: v.astype(np.float64) for k, v in values.items()})
+    for name in ("export.npz", "plain.npz", "export.orbax", "plain.orbax"):
         warm = with_init_hash(cfgmod.override(cfg, init_from=str(tmp_path / name)))
         assert warm.init_sha256 == values_hash(values)
         got = task_of(warm).init_params(warm.seed)

@@ -156,7 +156,8 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="evaluation loss and accuracy of a checkpoint",
                        description="Evaluate a checkpoint's global parameters on the held-out "
                        "split of its configuration's corpus.")
-    e.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.npz (run or export)")
+    e.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.npz (run or export), "
+                   "an exported .safetensors or .orbax")
     e.add_argument("--task", default=None, metavar="MODULE:FACTORY",
                    help="the checkpoint's user task (imported only when its configuration "
                         "names the same)")
@@ -165,7 +166,8 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("sample", help="sample bytes from a checkpoint's model",
                        description="Autoregressive byte sampling from a checkpoint's model.")
-    s.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.npz (run or export)")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint.npz (run or export), "
+                   "an exported .safetensors or .orbax")
     s.add_argument("--prompt", required=True, help="text to continue (UTF-8)")
     s.add_argument("--bytes", type=int, default=200, metavar="N",
                    help="bytes to generate (default 200)")
@@ -177,16 +179,18 @@ def _add_checkpoint_tools(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=_sample)
 
-    x = sub.add_parser("export", help="write a run's global parameters from Redis to .npz or "
-                       ".safetensors", description="Read the global parameters the syncers "
-                       "committed in Redis and write them with the configuration: "
-                       "checkpoint.npz's layout, or safetensors (the task's parameter names; "
-                       "the configuration in its metadata). eval and sample read both.")
+    x = sub.add_parser("export", help="write a run's global parameters from Redis to .npz, "
+                       ".safetensors or an Orbax checkpoint", description="Read the global "
+                       "parameters the syncers committed in Redis and write them with the "
+                       "configuration: checkpoint.npz's layout, safetensors (the task's "
+                       "parameter names; the configuration in its metadata), or an Orbax "
+                       "checkpoint folder (items 'params', the names as a tree split at '/', "
+                       "and 'diloco', the configuration). eval and sample read all three.")
     add_redis_args(x)
     x.add_argument("--run", required=True, help="run name")
     x.add_argument("--out", required=True, metavar="FILE", help="file to write")
-    x.add_argument("--format", default="npz", choices=("npz", "safetensors"),
-                   help="npz (default) or safetensors (the [safetensors] extra)")
+    x.add_argument("--format", default="npz", choices=("npz", "safetensors", "orbax"),
+                   help="npz (default), safetensors or orbax (their extras)")
     x.add_argument("--json", action="store_true", help="print one JSON object")
     x.set_defaults(func=_export)
     c = sub.add_parser("redis-cli", help="redis-cli against the run's Redis, with the URL's TLS "

@@ -62,9 +62,47 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
     (run_dir / "config.toml").write_text(cfgmod.dumps_toml(cfg))
 
 
-FORMATS = ("npz", "safetensors")  # by the file's suffix
+FORMATS = ("npz", "safetensors", "orbax")  # by the path's suffix (an Orbax checkpoint: a folder)
 SAFETENSORS_EXTRA = ("the safetensors format needs its extra: "
                      "pip install 'decoupled-diloco[safetensors]'")
+ORBAX_EXTRA = "the orbax format needs its extra: pip install 'decoupled-diloco[orbax]'"
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ValueError(ORBAX_EXTRA) from e
+    return ocp
+
+
+def nest(flat: Mapping[str, np.ndarray]) -> dict:
+    """Parameter names as a tree: ``layers/0/attn/wq`` → ``{"layers": {"0": {"attn": …}}}``
+    (the pytree a JAX user's model holds; names without ``/`` stay at the top)."""
+    tree: dict = {}
+    for name, v in flat.items():
+        *path, leaf = name.split("/")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"parameter names {part!r} and {name!r} collide in a tree")
+        if leaf in node:
+            raise ValueError(f"parameter names collide in a tree at {name!r}")
+        node[leaf] = v
+    return tree
+
+
+def unnest(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+    """The inverse of `nest`: a tree of arrays as ``a/b/c`` names."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(unnest(v, f"{name}/"))
+        else:
+            out[name] = np.asarray(v)
+    return out
 
 
 def _safetensors():
@@ -81,6 +119,16 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
     ``.safetensors`` path, as safetensors (the task's parameter names as tensor names; the
     configuration and versions in its metadata), written atomically either way."""
     path = Path(path)
+    if path.suffix == ".orbax":  # a folder: items "params" (the tree) and "diloco" (JSON)
+        ocp = _orbax()
+        meta = {"config_toml": cfgmod.dumps_toml(cfg),
+                "versions": None if versions is None else [int(v) for v in versions]}
+        tree = nest({k: np.asarray(v, np.float32) for k, v in params.items()})
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:  # written atomically
+            ck.save(path.resolve(), ocp.args.Composite(params=ocp.args.StandardSave(tree),
+                                                       diloco=ocp.args.JsonSave(meta)),
+                    force=True)
+        return
     if path.suffix == ".safetensors":
         st = _safetensors()
         meta = {"diloco_config_toml": cfgmod.dumps_toml(cfg), "format": "np"}
@@ -104,8 +152,22 @@ def save_checkpoint(path: Path, params: Mapping[str, np.ndarray], cfg: RunConfig
 def read_checkpoint_file(path: str | Path
                          ) -> tuple[dict[str, np.ndarray], RunConfig, list[int] | None]:
     """Parameters, configuration and versions (None: not recorded) of a checkpoint in either
-    format (by suffix: ``.safetensors``, else .npz)."""
+    format (by suffix: ``.safetensors``; a folder: Orbax; else .npz)."""
     path = Path(path)
+    if path.is_dir():
+        ocp = _orbax()
+        items = None
+        if (path / "diloco").is_dir() and (path / "params").is_dir():
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
+                items = ck.restore(path.resolve())
+        if items is None or not isinstance(items.get("diloco"), dict):
+            raise ValueError("an Orbax checkpoint without diloco's configuration (not written "
+                             "by diloco export; init_from reads any Orbax checkpoint)")
+        meta = items["diloco"]
+        cfg = cfgmod.from_stored(tomllib.loads(str(meta["config_toml"])))
+        versions = meta.get("versions")
+        versions = [int(v) for v in versions] if isinstance(versions, list) else None
+        return unnest(items["params"]), cfg, versions
     if path.suffix == ".safetensors":
         st = _safetensors()
         with st.safe_open(str(path), framework="np") as f:

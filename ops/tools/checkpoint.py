@@ -52,12 +52,12 @@ def read_checkpoint(path: str | Path, task: str | None = None):
         FileNotFoundError: No such file.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint")
     try:
         params, cfg, versions = artifacts.read_checkpoint_file(path)
     except (KeyError, OSError, ValueError, zipfile.BadZipFile) as e:
-        if str(e) == artifacts.SAFETENSORS_EXTRA:
+        if str(e) in (artifacts.SAFETENSORS_EXTRA, artifacts.ORBAX_EXTRA):
             raise
         raise ValueError(f"{path}: not a diloco checkpoint ({type(e).__name__}: {e})") from e
     want = task_of(cfg, task).param_shapes()
@@ -179,7 +179,8 @@ def sample(path: str | Path, prompt: str, n_bytes: int, temperature: float,
 
 def export(redis_url: str, run: str, out: str | Path, fmt: str = "npz") -> dict[str, Any]:
     """Write the run's committed global parameters and configuration to an .npz, or (`fmt`
-    "safetensors") a .safetensors file the rest of the ecosystem reads.
+    "safetensors") a .safetensors file, or ("orbax") an Orbax checkpoint folder: the last two
+    are what the rest of the ecosystem reads.
 
     Returns:
         ``{"run", "out" (the file written; the format's suffix is appended when missing),
@@ -195,6 +196,8 @@ def export(redis_url: str, run: str, out: str | Path, fmt: str = "npz") -> dict[
         raise ValueError(f"--format: {fmt!r} is not one of {', '.join(artifacts.FORMATS)}")
     if fmt == "safetensors":
         artifacts._safetensors()  # refused before reading Redis, not after
+    if fmt == "orbax":
+        artifacts._orbax()
     out = Path(out)
     if out.suffix != f".{fmt}":
         out = out.with_name(f"{out.name}.{fmt}")
@@ -207,6 +210,8 @@ def export(redis_url: str, run: str, out: str | Path, fmt: str = "npz") -> dict[
         r.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     artifacts.save_checkpoint(out, params, cfg, versions)
+    size = (sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir()
+            else out.stat().st_size)
     return {"run": run, "out": str(out), "format": fmt, "versions": versions,
             "params": int(sum(v.size for v in params.values())), "tensors": len(params),
-            "bytes": out.stat().st_size, "config_hash": run_hash}
+            "bytes": size, "config_hash": run_hash}

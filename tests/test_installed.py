@@ -132,9 +132,12 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
     # the main job, both engines (the embedded redis-server for the distributed one)
     s = cli("run", "--config", "run.toml", "--out", "runs", "--run", "main", "--json")
     assert s["learners"] == 2 and s["final_eval_loss"] < s["initial_eval_loss"]
-    s = cli("run", "--engine", "inprocess", "--config", "run.toml", "--out", "runs",
-            "--run", "inproc", "--json")
+    done = _run([diloco, "run", "--engine", "inprocess", "--config", "run.toml", "--out", "runs",
+                 "--run", "inproc", "--json", "--wandb"], work,
+                {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    s = json.loads(done.stdout.strip().splitlines()[-1])
     assert s["final_eval_loss"] < s["initial_eval_loss"]
+    assert list((work / "runs" / "inproc" / "wandb").glob("offline-run-*/run-*.wandb"))
     # the roles by hand, on the test's Redis, then the tools on that run
     url = ["--redis-url", redis_url]
     _run([diloco, "init", "--config", "run.toml", "--run", "hand", *url], work, env)

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no live progress")
     p.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard "
                    "event files in DIR (the [tensorboard] extra)")
+    p.add_argument("--wandb", action="store_true", help="also log the metrics to a Weights & "
+                   "Biases run named after the run, in its folder (the [wandb] extra; W&B's "
+                   "own settings apply: WANDB_MODE=offline, WANDB_PROJECT, your key online)")
     p.set_defaults(func=run)
 
 
@@ -71,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.quiet or args.json
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         return fail(tensorboard.TENSORBOARD_EXTRA)
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        return fail(tensorboard.WANDB_EXTRA)
     if args.engine == "inprocess":
         try:
             summary = run_inprocess(cfg, run_name, out=args.out,
                                     on_eval=None if quiet else _print_eval,
-                                    tensorboard=args.tensorboard)
+                                    tensorboard=args.tensorboard, wandb=args.wandb)
         except (ValueError, OSError) as e:  # data too small for the split, an unwritable --out
             return fail_on(e)
     elif cfg.mode == "ddp":
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 summary = run_distributed(cfg, run_name, out=args.out,
                                           redis_url=args.redis_url, progress=progress,
-                                          tensorboard=args.tensorboard)
+                                          tensorboard=args.tensorboard, wandb=args.wandb)
             except KeyboardInterrupt:
                 print("interrupted: every process was stopped", file=sys.stderr)
                 return 130

@@ -30,26 +30,29 @@ def new_run_dir(root: str | Path, run: str) -> Path:
 
 class MetricsLog:
     """Append-only JSON lines; every record gets the wall time `t` it was written. With
-    `tensorboard` (a folder) each record's numbers also go to TensorBoard event files there
-    (`ops.cluster.tensorboard`: the ``[tensorboard]`` extra)."""
+    `tensorboard` (a folder) each record's numbers also go to TensorBoard event files there,
+    with `wandb` (the run's name and configuration) to a W&B run in this folder
+    (`ops.cluster.tensorboard`: the ``[tensorboard]`` and ``[wandb]`` extras)."""
 
-    def __init__(self, path: Path, tensorboard: str | Path | None = None):
-        from ops.cluster.tensorboard import TensorBoardLog
+    def __init__(self, path: Path, tensorboard: str | Path | None = None,
+                 wandb: tuple[str, RunConfig] | None = None):
+        from ops.cluster.tensorboard import TensorBoardLog, WandbLog
 
         self.path = path
-        self._tb = TensorBoardLog(tensorboard) if tensorboard else None
+        self._trackers = ([TensorBoardLog(tensorboard)] if tensorboard else []) + (
+            [WandbLog(wandb[0], cfgmod.to_dict(wandb[1]), path.parent)] if wandb else [])
         self._fh = open(path, "a", buffering=1)
 
     def write(self, kind: str, record: Mapping) -> None:
         rec = {"kind": kind, "t": time.time(), **record}
         self._fh.write(json.dumps(rec) + "\n")
-        if self._tb is not None:
-            self._tb.write(kind, rec)
+        for tracker in self._trackers:
+            tracker.write(kind, rec)
 
     def close(self) -> None:
         self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def write_json(path: Path, obj: Any) -> None:

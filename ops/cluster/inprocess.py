@@ -14,7 +14,7 @@ from pipeline.engine import Engine
 
 def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
                   on_eval: Callable[[dict], None] | None = None,
-                  tensorboard: str | Path | None = None) -> dict:
+                  tensorboard: str | Path | None = None, wandb: bool = False) -> dict:
     """Run the in-process engine; return the summary (also written to the run folder).
 
     Args:
@@ -23,10 +23,12 @@ def run_inprocess(cfg: RunConfig, run_name: str, *, out: str | Path,
         out: The folder that gets the run folder.
         on_eval: Called with each evaluation record (virtual wall time, tokens, loss).
         tensorboard: Also write the metrics as TensorBoard event files in this folder.
+        wandb: Also log them to a W&B run named `run_name` (in the run folder).
     """
     run_dir = artifacts.new_run_dir(out, run_name)
     artifacts.write_config(run_dir, cfg)
-    log = artifacts.MetricsLog(run_dir / "metrics.jsonl", tensorboard)
+    log = artifacts.MetricsLog(run_dir / "metrics.jsonl", tensorboard,
+                               (run_name, cfg) if wandb else None)
 
     def on_event(kind: str, data: dict) -> None:
         log.write(kind, data)

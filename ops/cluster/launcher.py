@@ -149,7 +149,8 @@ class Launcher:
 def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
                     redis_url: str | None = None, pace_s: float = 0.0,
                     progress: Callable[[Launcher, float], None] | None = None,
-                    pin_learners: bool = False, tensorboard: str | Path | None = None) -> dict:
+                    pin_learners: bool = False, tensorboard: str | Path | None = None,
+                    wandb: bool = False) -> dict:
     """Run the job with real processes; return the summary (also written to the run folder).
 
     Args:
@@ -161,6 +162,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         progress: Called about once a second with the launcher and the seconds since start.
         pin_learners: Pin learner m to the m-th core of this process's (round robin).
         tensorboard: Also write the metrics as TensorBoard event files in this folder.
+        wandb: Also log them to a W&B run named `run_name` (in the run folder).
 
     Raises:
         ValueError: The mode runs only in-process.
@@ -178,7 +180,8 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         store_run_config(url, run_name, cfg)
         run_dir = artifacts.new_run_dir(out, run_name)
         artifacts.write_config(run_dir, cfg)
-        log = artifacts.MetricsLog(run_dir / "metrics.jsonl", tensorboard)
+        log = artifacts.MetricsLog(run_dir / "metrics.jsonl", tensorboard,
+                                   (run_name, cfg) if wandb else None)
         la = Launcher(cfg, run_name, url, run_dir,
                       learner_args=["--pace-s", str(pace_s)] if pace_s else [],
                       pin_learners=pin_learners)

@@ -2,7 +2,9 @@
 TensorBoard's own numpy-only writer (`tensorboard.summary.Writer`) from the records of
 ``metrics.jsonl``: the same records, so `diloco run --tensorboard DIR` (live, from the
 launcher's loop, never a training thread) and `diloco tensorboard RUN_DIR` (afterwards, from
-the file, for any run folder: distributed, in-process, chaos) give the same curves.
+the file, for any run folder: distributed, in-process, chaos) give the same curves. `diloco run
+--wandb` logs the same scalars to Weights & Biases (`WandbLog`, the ``[wandb]`` extra), each
+family against its own axis (``eval/tokens``, ``learner/<id>/step``, ``fragment/<p>/version``).
 
 Scalars (the step axis in brackets):
 
@@ -94,6 +96,49 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self._w.close()
+
+
+WANDB_EXTRA = "W&B logging needs its extra: pip install 'decoupled-diloco[wandb]'"
+_AXIS = {"eval": "tokens", "learner": "step", "fragment": "version"}  # a family's x-axis
+
+
+class WandbLog:
+    """The scalars of metrics records logged to a W&B run (`wandb.init` in `out`; W&B's own
+    settings apply: ``WANDB_MODE=offline`` keeps the run on disk, online needs the user's
+    key, ``WANDB_PROJECT`` names the project, default ``diloco``)."""
+
+    def __init__(self, name: str, config: Mapping[str, Any], out: str | Path):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ValueError(WANDB_EXTRA) from e
+        import os
+
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "diloco"), name=name,
+                               config=dict(config), dir=str(out))
+        self._axes: set[str] = set()
+
+    def write(self, kind: str, rec: Mapping[str, Any]) -> None:
+        rows: dict[str, dict[str, float]] = {}
+        for tag, x, step in scalars(kind, rec):
+            family, _, _ = tag.rpartition("/")
+            if tag.startswith("summary/"):
+                self._run.summary[tag] = x
+                continue
+            axis = f"{family}/{_AXIS.get(tag.split('/', 1)[0], 'step')}"
+            rows.setdefault(axis, {axis: step})[tag] = x
+        for axis, row in rows.items():
+            if axis not in self._axes:
+                self._run.define_metric(axis)
+                self._run.define_metric(f"{axis.rpartition('/')[0]}/*", step_metric=axis)
+                self._axes.add(axis)
+            self._run.log(row)
+
+    def close(self) -> None:
+        import wandb
+
+        self._run.finish()
+        wandb.teardown()  # its service process ends with the run, not at interpreter exit
 
 
 def convert(run_dir: str | Path, out: str | Path) -> int:

@@ -20,7 +20,7 @@ command -v c++ >/dev/null || command -v g++ >/dev/null || need_apt+=(g++)
 # the tests: the dashboard's page is checked in a real headless Chromium (the test fails
 # without it when started from here)
 if [ "$what" = test ]; then
-  export DILOCO_REQUIRE_BROWSER=1
+  export REQUIRE_CHROMIUM=1
   { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } ||
     need_apt+=(chromium chromium-driver)
 fi

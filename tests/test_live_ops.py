@@ -8,16 +8,20 @@ import contextlib
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
+import pytest
 from test_e2e import TINY
 
 from broker import registry
 from broker.connection import connect
 from broker.keys import RunKeys
+from ops.cluster import secure_init
 from ops.cluster.redis_server import free_port
 from pipeline import config as cfgmod
 
@@ -53,7 +57,7 @@ def browser(tmp_path):
     they are missing (a failure when the quick start runs the tests: it installs them)."""
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver_bin):
-        assert not os.environ.get("DILOCO_REQUIRE_BROWSER"), \
+        assert not os.environ.get("REQUIRE_CHROMIUM"), \
             "chromium and chromedriver are missing (apt-get install chromium chromium-driver)"
         yield None
         return
@@ -62,6 +66,7 @@ def browser(tmp_path):
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
+    opts.accept_insecure_certs = True  # the dashboard's certificate is the test's own CA's
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update",
                 "--disable-sync", "--window-size=1400,1100",
@@ -83,65 +88,92 @@ return [Object.fromEntries(rows.map(tr => [tr.dataset.learner, tr.dataset.state]
 """
 
 
-def dashboard_view(page, url: str) -> tuple[dict, int, set]:
-    """(learner → state, points of L0's loss curve, event kinds) as the page shows them, or
-    as its JSON says where no browser runs."""
-    if page is not None:
-        states, points, kinds = page.execute_script(_VIEW)
-        return states, points, set(kinds)
-    st = json.loads(urllib.request.urlopen(url + "api/state", timeout=5).read())
-    return ({ln["id"]: ln["state"] for ln in st["learners"]}, len(st["loss"].get("L0", [])),
-            {e["kind"] for e in st["events"]})
+class Dashboard:
+    """`diloco dashboard` over HTTPS with a bearer token (the run's own CA), started beside the
+    run's processes so that its start overlaps theirs."""
 
+    TOKEN = "a-bearer-token-of-the-live-run"
 
-def check_dashboard(tmp_path, base: list[str], procs: list, learner_cmd) -> None:
-    """The page shows both learners and a growing loss curve; L1 killed goes down, restarted
-    comes back, and the timeline says so; a screenshot is written."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    dash = subprocess.Popen([sys.executable, "-m", "ops.cli", "dashboard", *base, "--port",
-                             str(port), "--interval-s", "0.25"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: _up(url, dash), 60, "the dashboard to answer")
-        with browser(tmp_path) as page:
-            if page is not None:
-                page.get(url)
-            states, points, _ = wait_for(
-                lambda: (v := dashboard_view(page, url))[0] == {"L0": "live", "L1": "live"}
-                and v[1] >= 2 and v, 30, "both learners live on the page")
-            wait_for(lambda: dashboard_view(page, url)[1] >= points + 3, 30,
-                     "the loss curve to grow")
-            procs[2].kill()
-            procs[2].wait()
-            wait_for(lambda: dashboard_view(page, url)[0].get("L1") == "down", 30,
-                     "the killed learner shown down")
-            procs[2] = learner_cmd("L1")
-            _, _, kinds = wait_for(lambda: (v := dashboard_view(page, url))[0].get("L1")
-                                   == "live" and v, 60, "the restarted learner shown live")
-            assert {"join", "down"} <= kinds, kinds
-            assert kinds & {"back", "rejoin"}, kinds
-            if page is not None:
-                shot = tmp_path / "dashboard.png"
-                assert page.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-                assert page.find_element("id", "error").is_displayed() is False
-    finally:
-        dash.terminate()
+    def __init__(self, tmp_path, base: list[str]):
+        secure_init(tmp_path / "tls", hosts=["127.0.0.1"])
+        (tmp_path / "token").write_text(self.TOKEN + "\n")
+        self.port = free_port()
+        self.url = f"https://127.0.0.1:{self.port}/"
+        self.tls = ssl.create_default_context(cafile=str(tmp_path / "tls" / "ca.crt"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "dashboard", *base, "--port", str(self.port),
+             "--interval-s", "0.25", "--tls-cert", str(tmp_path / "tls" / "server.crt"),
+             "--tls-key", str(tmp_path / "tls" / "server.key"),
+             "--token-file", str(tmp_path / "token")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, headers={
+            "Authorization": f"Bearer {token}"} if token else {})
         try:
-            dash.wait(10)
+            with urllib.request.urlopen(req, context=self.tls, timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"diloco dashboard exited: {self.proc.stderr.read()[-2000:]}")
+        try:
+            return self.get("")[0] == 200
+        except OSError:
+            return False
+
+    def view(self, page) -> tuple[dict, int, set]:
+        """(learner → state, points of L0's loss curve, event kinds) as the page shows them,
+        or as its JSON says where no browser runs."""
+        if page is not None:
+            states, points, kinds = page.execute_script(_VIEW)
+            return states, points, set(kinds)
+        st = json.loads(self.get("api/state", self.TOKEN)[1])
+        return ({ln["id"]: ln["state"] for ln in st["learners"]},
+                len(st["loss"].get("L0", [])), {e["kind"] for e in st["events"]})
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            dash.kill()
-            dash.wait()
-        dash.stderr.close()
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stderr.close()
 
 
-def _up(url: str, proc: subprocess.Popen) -> bool:
-    if proc.poll() is not None:
-        raise AssertionError(f"diloco dashboard exited: {proc.stderr.read()[-2000:]}")
-    try:
-        return urllib.request.urlopen(url + "api/state", timeout=2).status == 200
-    except OSError:
-        return False
+def check_dashboard(tmp_path, dash: Dashboard, procs: list, learner_cmd) -> None:
+    """Its data needs the token; the page (opened with the token) shows both learners and a
+    growing loss curve; L1 killed goes down, restarted comes back, and the timeline says so; a
+    screenshot is written."""
+    wait_for(dash.up, 60, "the dashboard to answer")
+    assert dash.get("api/state")[0] == 401
+    assert dash.get("api/state", "not-the-token-of-this-run")[0] == 401
+    with pytest.raises(OSError):  # HTTPS only: a plain request is closed unanswered
+        urllib.request.urlopen(f"http://127.0.0.1:{dash.port}/api/state", timeout=5)
+    with browser(tmp_path) as page:
+        if page is not None:
+            page.get(f"{dash.url}#token={dash.TOKEN}")
+        states, points, _ = wait_for(
+            lambda: (v := dash.view(page))[0] == {"L0": "live", "L1": "live"} and v[1] >= 2
+            and v, 30, "both learners live on the page")
+        wait_for(lambda: dash.view(page)[1] >= points + 3, 30, "the loss curve to grow")
+        procs[2].kill()
+        procs[2].wait()
+        wait_for(lambda: dash.view(page)[0].get("L1") == "down", 30,
+                 "the killed learner shown down")
+        procs[2] = learner_cmd("L1")
+        _, _, kinds = wait_for(lambda: (v := dash.view(page))[0].get("L1") == "live" and v,
+                               60, "the restarted learner shown live")
+        assert {"join", "down"} <= kinds, kinds
+        assert kinds & {"back", "rejoin"}, kinds
+        if page is not None:
+            assert "token" not in page.current_url  # taken out of the address bar
+            shot = tmp_path / "dashboard.png"
+            assert page.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+            assert page.find_element("id", "error").is_displayed() is False
 
 
 def test_status_inspect_metrics_and_the_dashboard_during_a_run(tmp_path, redis_url):
@@ -168,6 +200,7 @@ def test_status_inspect_metrics_and_the_dashboard_during_a_run(tmp_path, redis_u
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     procs += [start_learner("L0"), start_learner("L1")]
+    dash = Dashboard(tmp_path, base)
     try:
         r = connect(redis_url)
         keys = RunKeys("live")
@@ -203,7 +236,7 @@ def test_status_inspect_metrics_and_the_dashboard_during_a_run(tmp_path, redis_u
         assert syncer["diloco_syncer_lost_total"] == 0
         assert syncer['diloco_syncer_fragment_version{fragment="0"}'] >= 3
 
-        check_dashboard(tmp_path, base, procs, start_learner)
+        check_dashboard(tmp_path, dash, procs, start_learner)
 
         registry.request_finish(r, keys)  # end training early: flush, final rounds, exit
         for p in procs:
@@ -211,6 +244,7 @@ def test_status_inspect_metrics_and_the_dashboard_during_a_run(tmp_path, redis_u
         finals = registry.learner_final_reports(r, keys)
         assert len({json.dumps(v.hashes, sort_keys=True) for v in finals.values()}) == 1
     finally:
+        dash.stop()
         for p in procs:
             if p.poll() is None:
                 p.kill()

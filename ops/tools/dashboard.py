@@ -44,6 +44,7 @@ PAGE = 500  # stream entries read per poll and stream
 TEXT_MAX = 200  # characters of one event field shown
 LINE_MAX = 1 << 20  # a metrics.jsonl line longer than this is skipped
 READ_MAX = 8 << 20  # bytes of metrics.jsonl read per poll
+CLOCK_RANGE_S = 366 * 86_400  # an event stamped further back than this is shown at its reading
 
 
 def _num(v: Any) -> float | None:
@@ -122,7 +123,9 @@ class Board:
         for entry_id, fields in entries:
             self._events_from = "(" + as_text(entry_id)
             f = {_text(k, 40): _text(v) for k, v in list(fields.items())[:16]}
-            t = _num(_float(f.pop("t", None))) or time.time()
+            now, t = time.time(), _num(_float(f.pop("t", None)))
+            if t is None or not now - CLOCK_RANGE_S <= t <= now + 60:  # a bogus stamp
+                t = now
             kind = f.pop("kind", "?")
             if kind == "join" and "learner" in f:
                 self._joins.setdefault(f["learner"], t)
@@ -191,7 +194,9 @@ class Board:
             fh.seek(self._offset)
             data = fh.read(READ_MAX)
         end = data.rfind(b"\n")
-        if end < 0:
+        if end < 0:  # no line end yet: a line still being written, or one past all bounds
+            if len(data) == READ_MAX:
+                self._offset += READ_MAX  # skipped; its tail fails to parse and is skipped too
             return
         self._offset += end + 1
         for line in data[:end].split(b"\n"):

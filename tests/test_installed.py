@@ -19,6 +19,7 @@ import sysconfig
 import tarfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -167,53 +168,73 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
                     p.kill()
         for fh in logs.values():
             fh.close()
-    assert cli("inspect", "--run", "hand", *url, "--json", tools=True)
-    done = _run([diloco, "redis-cli", *url, "--", "XLEN", "ddl:{hand/f0001}:frags"], work,
-                tools_env)
-    assert int(done.stdout.strip()) >= 1, done.stdout
-    # replay merges with a library already built, else numpy (the same bits): it builds none
-    empty = work / "replay-kernel-cache"
-    done = _run([diloco, "replay", "--run", "hand", *url, "--json"], work,
-                {**env, "DILOCO_KERNEL_CACHE": str(empty)})
-    rep = json.loads(done.stdout.strip().splitlines()[-1])
-    assert rep["ok"] and rep["rounds_checked"] >= 1, rep
+    # the tools on the finished run, two at a time (each is a process start; they only read
+    # the run, or write their own files)
+    empty = work / "replay-kernel-cache"  # replay merges with a library already built, else
+    # numpy (the same bits): it builds none
+    export = ("export", "--run", "hand", *url, "--json")
+    first = {
+        "inspect": lambda: cli("inspect", "--run", "hand", *url, "--json", tools=True),
+        "redis-cli": lambda: _run([diloco, "redis-cli", *url, "--", "XLEN",
+                                   "ddl:{hand/f0001}:frags"], work, tools_env).stdout,
+        "replay": lambda: json.loads(_run(
+            [diloco, "replay", "--run", "hand", *url, "--json"], work,
+            {**env, "DILOCO_KERNEL_CACHE": str(empty)}).stdout.strip().splitlines()[-1]),
+        "npz": lambda: cli(*export, "--out", "hand", tools=True),
+        "safetensors": lambda: cli(*export, "--out", "hand", "--format", "safetensors",
+                                   tools=True),
+        "orbax": lambda: cli(*export, "--out", "hand", "--format", "orbax", tools=True),
+        "plot": lambda: cli("plot", str(work / "runs" / "main"), "--out", "plots", "--json",
+                            tools=True),
+        "tensorboard": lambda: cli("tensorboard", str(work / "runs" / "main"), "--out", "tb",
+                                   "--json", tools=True),
+        "dashboard": lambda: _check_dashboard(diloco, work, tools_env, url),
+        "chaos": lambda: cli("chaos", "--learners", "2", "--duration", "10", "--kill-every-s",
+                             "0", "--pause-every-s", "0", "--config", "run.toml", "--out",
+                             "chaos", "--json", "--quiet"),
+        "goodput": lambda: cli("goodput", "--json"),
+        # the security tools (their outputs only: applying ACLs needs a hardened Redis)
+        "keys": lambda: _run([diloco, "keys", "--out", "keys", "--learners", "L0,L1"], work,
+                             env),
+        "acl": lambda: _run([diloco, "acl", "--run", "hand", "--url",
+                             "redis://127.0.0.1:6379/0", "--out", "acl"], work, env),
+        "bench": lambda: _run([diloco, "bench", "step-matrix", "--reps", "1", "--settings",
+                               "alone", "--variants", "shipped", "--bare-steps", "2", "--out",
+                               "bench"], work, env).stdout,
+    }
+    got = _two_at_a_time(first)
+    assert got["inspect"]
+    assert int(got["redis-cli"].strip()) >= 1, got["redis-cli"]
+    assert got["replay"]["ok"] and got["replay"]["rounds_checked"] >= 1, got["replay"]
     assert not empty.exists() or not any(empty.iterdir())
-    exp = cli("export", "--run", "hand", *url, "--out", "hand", "--json", tools=True)
-    assert Path(work / "hand.npz").is_file() and exp["versions"]
-    ev = cli("eval", "hand.npz", "--json")
-    assert ev["eval_loss"] > 0
-    st = cli("export", "--run", "hand", *url, "--out", "hand", "--format", "safetensors",
-             "--json", tools=True)
-    assert st["out"].endswith("hand.safetensors")
-    assert cli("eval", "hand.safetensors", "--json")["eval_loss"] == ev["eval_loss"]
-    ob = cli("export", "--run", "hand", *url, "--out", "hand", "--format", "orbax", "--json",
-             tools=True)
-    assert ob["out"].endswith("hand.orbax") and (work / "hand.orbax" / "params").is_dir()
-    sample = cli("sample", "hand.npz", "--prompt", "def ", "--bytes", "8", "--json")
-    assert sample
-    plot = cli("plot", str(work / "runs" / "main"), "--out", "plots", "--json", tools=True)
-    assert plot
-    tb = cli("tensorboard", str(work / "runs" / "main"), "--out", "tb", "--json", tools=True)
-    assert tb["records"] > 0 and any((work / "tb").iterdir())
-    _check_dashboard(diloco, work, tools_env, url)
+    assert Path(work / "hand.npz").is_file() and got["npz"]["versions"]
+    assert got["safetensors"]["out"].endswith("hand.safetensors")
+    assert got["orbax"]["out"].endswith("hand.orbax") and (work / "hand.orbax/params").is_dir()
+    assert got["plot"]
+    assert got["tensorboard"]["records"] > 0 and any((work / "tb").iterdir())
+    assert got["chaos"]["lost"] == 0, got["chaos"]
+    assert got["goodput"]
+    assert (work / "keys" / "syncer.key").is_file()
+    assert (work / "acl" / "learner.url").is_file()
+    assert "| alone |" in got["bench"]
+    second = _two_at_a_time({
+        "npz": lambda: cli("eval", "hand.npz", "--json"),
+        "safetensors": lambda: cli("eval", "hand.safetensors", "--json"),
+        "sample": lambda: cli("sample", "hand.npz", "--prompt", "def ", "--bytes", "8",
+                              "--json")})
+    assert second["npz"]["eval_loss"] > 0
+    assert second["safetensors"]["eval_loss"] == second["npz"]["eval_loss"]
+    assert second["sample"]
     assert not marker.exists(), marker.read_text()
     assert not (work / "empty-kernel-cache").exists() or not any(
         (work / "empty-kernel-cache").iterdir())
-    chaos = cli("chaos", "--learners", "2", "--duration", "10", "--kill-every-s", "0",
-                "--pause-every-s", "0", "--config", "run.toml", "--out", "chaos", "--json",
-                "--quiet")
-    assert chaos["lost"] == 0, chaos
-    goodput = cli("goodput", "--json")
-    assert goodput
-    # the security tools (their outputs only: applying ACLs needs a hardened Redis)
-    _run([diloco, "keys", "--out", "keys", "--learners", "L0,L1"], work, env)
-    assert (work / "keys" / "syncer.key").is_file()
-    _run([diloco, "acl", "--run", "hand", "--url", "redis://127.0.0.1:6379/0", "--out", "acl"],
-         work, env)
-    assert (work / "acl" / "learner.url").is_file()
-    done = _run([diloco, "bench", "step-matrix", "--reps", "1", "--settings", "alone",
-                 "--variants", "shipped", "--bare-steps", "2", "--out", "bench"], work, env)
-    assert "| alone |" in done.stdout
+
+
+def _two_at_a_time(jobs: dict) -> dict:
+    """Each job's result, two running at once (a job's failure is raised here)."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _check_dashboard(diloco: str, work: Path, env: dict, url: list[str]) -> None:

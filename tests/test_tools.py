@@ -202,6 +202,19 @@ def test_export_equals_the_checkpoint(finished, capsys, tmp_path):
                "--out", str(tmp_path / "x.npz"))[0] == 2
 
 
+def _same_model_and_loss(theirs: dict, exported: str, finished, capsys) -> None:
+    """What another library read from an export is the run's checkpoint, fp32, by name; the
+    export's versions are the run's; eval of the export gives the checkpoint's loss."""
+    saved, _ = load_checkpoint(finished.run_dir / "checkpoint.npz")
+    assert sorted(theirs) == sorted(saved)
+    for k, v in saved.items():
+        assert theirs[k].dtype == np.float32
+        np.testing.assert_array_equal(theirs[k], v, err_msg=k)
+    assert tools.read_checkpoint(exported)[2] == finished.summary["versions"]
+    assert cli_json(capsys, "eval", exported)["eval_loss"] == cli_json(
+        capsys, "eval", str(finished.run_dir / "checkpoint.npz"))["eval_loss"]
+
+
 def test_export_as_safetensors_is_read_by_the_ecosystem_and_by_eval(finished, capsys, tmp_path):
     """safetensors' own reader sees the task's parameter names and the same values; eval of
     the file gives the checkpoint's loss."""
@@ -210,16 +223,7 @@ def test_export_as_safetensors_is_read_by_the_ecosystem_and_by_eval(finished, ca
     rep = cli_json(capsys, "export", "--redis-url", finished.url, "--run", finished.run,
                    "--out", str(tmp_path / "global"), "--format", "safetensors")
     assert rep["out"] == str(tmp_path / "global.safetensors") and rep["format"] == "safetensors"
-    theirs = safetensors.numpy.load_file(rep["out"])
-    saved, _ = load_checkpoint(finished.run_dir / "checkpoint.npz")
-    assert sorted(theirs) == sorted(saved)
-    for k, v in saved.items():
-        assert theirs[k].dtype == np.float32
-        np.testing.assert_array_equal(theirs[k], v, err_msg=k)
-    assert tools.read_checkpoint(rep["out"])[2] == finished.summary["versions"]
-    ev_st = cli_json(capsys, "eval", rep["out"])
-    ev_npz = cli_json(capsys, "eval", str(finished.run_dir / "checkpoint.npz"))
-    assert ev_st["eval_loss"] == ev_npz["eval_loss"]
+    _same_model_and_loss(safetensors.numpy.load_file(rep["out"]), rep["out"], finished, capsys)
     # a safetensors file that diloco did not write is refused in one line
     safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     code, _, err = cli(capsys, "eval", str(tmp_path / "other.safetensors"))
@@ -236,15 +240,7 @@ def test_export_as_orbax_is_read_by_orbax_and_by_eval(finished, capsys, tmp_path
     assert rep["out"] == str(tmp_path / "global.orbax") and rep["bytes"] > 0
     with ocp.StandardCheckpointer() as ck:
         theirs = ck.restore(Path(rep["out"]).resolve() / "params")
-    saved, _ = load_checkpoint(finished.run_dir / "checkpoint.npz")
-    assert sorted(theirs) == sorted(saved)
-    for k, v in saved.items():
-        assert theirs[k].dtype == np.float32
-        np.testing.assert_array_equal(theirs[k], v, err_msg=k)
-    assert tools.read_checkpoint(rep["out"])[2] == finished.summary["versions"]
-    ev = cli_json(capsys, "eval", rep["out"])
-    assert ev["eval_loss"] == cli_json(capsys, "eval", str(finished.run_dir / "checkpoint.npz")
-                                       )["eval_loss"]
+    _same_model_and_loss(theirs, rep["out"], finished, capsys)
     tree = artifacts.nest({"layers/0/attn/wq": np.ones(2), "layers/1/mlp/w": np.zeros(3),
                            "embed": np.ones(1)})
     assert sorted(tree) == ["embed", "layers"] and sorted(tree["layers"]) == ["0", "1"]

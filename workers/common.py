@@ -44,10 +44,11 @@ def is_loopback(url: str) -> bool:
         return False
     if parts.scheme == "unix":
         return True
-    return _loopback_host(parts.hostname or "")
+    return loopback_host(parts.hostname or "")
 
 
-def _loopback_host(host: str) -> bool:
+def loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (IPv4 or IPv6)."""
     if host == "localhost":
         return True
     try:
@@ -66,7 +67,7 @@ def security_missing(url: str, *, curve: bool, signed: bool, bind: str | None = 
     user; ZeroMQ CURVE; signed contributions. Empty when everything is on this host."""
     bind_host = bind[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if bind and \
         bind.startswith("tcp://") else None
-    remote_bind = bind_host is not None and not _loopback_host(bind_host)
+    remote_bind = bind_host is not None and not loopback_host(bind_host)
     missing = []
     if not is_loopback(url):
         parts = urllib.parse.urlsplit(url)

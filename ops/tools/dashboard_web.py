@@ -13,13 +13,13 @@ key) and a token, or it is refused before anything starts (`check_bind`).
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import threading
 from importlib import resources
 from pathlib import Path
 
 from ops.tools.dashboard import Board
+from workers.common import loopback_host
 
 DASHBOARD_EXTRA = "the dashboard needs its extra: pip install 'decoupled-diloco[dashboard]'"
 HEADERS = {
@@ -29,21 +29,12 @@ HEADERS = {
     "Cache-Control": "no-store"}
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(host: str, *, certfile: str | None, keyfile: str | None,
                token: str | None) -> str | None:
     """Why the dashboard may not listen on `host` this way (None: it may)."""
     if bool(certfile) != bool(keyfile):
         return "--tls-cert and --tls-key go together"
-    if is_loopback(host):
+    if loopback_host(host):
         return None
     missing = [flag for flag, v in (("--tls-cert/--tls-key", certfile),
                                     ("--token-file", token)) if not v]

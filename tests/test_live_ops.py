@@ -107,9 +107,12 @@ class Dashboard:
              "--token-file", str(tmp_path / "token")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.url + path, headers={
-            "Authorization": f"Bearer {token}"} if token else {})
+    def get(self, path: str, token: str | None = None,
+            host: str | None = None) -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if host:
+            headers["Host"] = host
+        req = urllib.request.Request(self.url + path, headers=headers)
         try:
             with urllib.request.urlopen(req, context=self.tls, timeout=5) as resp:
                 return resp.status, resp.read()
@@ -151,6 +154,8 @@ def check_dashboard(tmp_path, dash: Dashboard, procs: list, learner_cmd) -> None
     wait_for(dash.up, 60, "the dashboard to answer")
     assert dash.get("api/state")[0] == 401
     assert dash.get("api/state", "not-the-token-of-this-run")[0] == 401
+    # a page whose name an attacker points at 127.0.0.1 is not answered (DNS rebinding)
+    assert dash.get("api/state", dash.TOKEN, host="attacker.example")[0] == 400
     with pytest.raises(OSError):  # HTTPS only: a plain request is closed unanswered
         urllib.request.urlopen(f"http://127.0.0.1:{dash.port}/api/state", timeout=5)
     with browser(tmp_path) as page:

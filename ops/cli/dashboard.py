@@ -49,12 +49,15 @@ def _token(path: str | None) -> str | None:
         token = fh.readline().strip()
     if len(token) < 16:
         raise ValueError(f"{path}: the token is shorter than 16 characters")
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise ValueError(f"{path}: the token must be printable ASCII without spaces (a "
+                         f"browser sends it in a header)")
     return token
 
 
 def _dashboard(args: argparse.Namespace) -> int:
-    if args.interval_s <= 0:
-        return fail("--interval-s must be positive")
+    if not 0.1 <= args.interval_s <= 3600:
+        return fail("--interval-s must be between 0.1 and 3600")
     try:
         token = _token(args.token_file)
         problem = dashboard_web.check_bind(args.host, certfile=args.tls_cert,

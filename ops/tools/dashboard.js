@@ -13,9 +13,27 @@ const EVENT_COLORS = {join: "#2ca02c", rejoin: "#2ca02c", back: "#2ca02c", down:
 // a bearer token given as #token=… is kept for this tab and taken out of the address bar
 let token = sessionStorage.getItem("diloco-token");
 if (location.hash.startsWith("#token=")) {
-  token = decodeURIComponent(location.hash.slice(7));
-  sessionStorage.setItem("diloco-token", token);
+  try {
+    token = decodeURIComponent(location.hash.slice(7));
+    sessionStorage.setItem("diloco-token", token);
+  } catch (e) {
+    token = null;
+  }
   history.replaceState(null, "", location.pathname);
+}
+
+function colorOf(kind) {
+  return Object.hasOwn(EVENT_COLORS, kind) ? EVENT_COLORS[kind] : "#7f7f7f";
+}
+
+// min and max of many numbers (spreading a long array into Math.min overflows the stack)
+function range(values) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of values) {
+    if (v < lo) lo = v;
+    if (v > hi) hi = v;
+  }
+  return [lo, hi];
 }
 
 function el(tag, attrs, text) {
@@ -73,8 +91,8 @@ function chart(id, series, xlabel, xfmt) {
     svg.append(el("svg:text", {x: m.l, y: h / 2}, "no data yet"));
     return;
   }
-  let [x0, x1] = [Math.min(...pts.map(p => p[0])), Math.max(...pts.map(p => p[0]))];
-  let [y0, y1] = [Math.min(...pts.map(p => p[1])), Math.max(...pts.map(p => p[1]))];
+  let [x0, x1] = range(pts.map(p => p[0]));
+  let [y0, y1] = range(pts.map(p => p[1]));
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
   const X = x => m.l + (x - x0) / (x1 - x0) * (w - m.l - m.r);
@@ -121,7 +139,7 @@ function timeline(events, t0, t1) {
   svg.append(el("svg:line", {x1: 10, y1: h / 2, x2: w - 10, y2: h / 2, stroke: "#ccd"}));
   for (const e of events) {
     const mark = el("svg:circle", {cx: X(e.t).toFixed(1), cy: h / 2, r: 5,
-                                   fill: EVENT_COLORS[e.kind] || "#7f7f7f",
+                                   fill: colorOf(e.kind),
                                    "data-kind": e.kind});
     mark.append(el("svg:title", {}, `${clock(e.t)} ${e.kind} ${detail(e.detail)}`));
     svg.append(mark);
@@ -158,8 +176,8 @@ function draw(s) {
             num(f.last_size), f.last_reason || "–", num(f.lag), num(f.dead_letters),
             f.lease || "–"], f => ({fragment: f.fragment}));
 
-  const t0 = Math.min(s.now, ...Object.values(s.loss).flatMap(c => c.map(p => p[0])),
-                      ...s.events.map(e => e.t), ...s.bytes.map(p => p[0]));
+  const t0 = Math.min(s.now, range(Object.values(s.loss).flatMap(c => c.map(p => p[0])))[0],
+                      range(s.events.map(e => e.t))[0], range(s.bytes.map(p => p[0]))[0]);
   const rel = t => `${(t - t0).toFixed(0)} s`;
   const lossSeries = Object.entries(s.loss).map(([name, c]) => ({
     name, points: c.map(p => [p[0], p[2]])}));
@@ -180,7 +198,7 @@ function draw(s) {
             e => ({kind: e.kind}));
   document.querySelectorAll("#events tbody td:nth-child(2)").forEach(td => {
     td.className = "kind";
-    td.style.color = EVENT_COLORS[td.textContent] || "";
+    td.style.color = colorOf(td.textContent);
   });
   document.body.dataset.updated = String(s.now);
 }
@@ -194,7 +212,14 @@ async function tick() {
       err.style.display = "block";
       err.textContent = "this dashboard needs its token: open it as …/#token=<token>";
     } else if (r.ok) {
-      draw(await r.json());
+      const state = await r.json();
+      try {
+        draw(state);
+      } catch (e) {
+        const err = document.getElementById("error");
+        err.style.display = "block";
+        err.textContent = `the page could not draw the run's state: ${e}`;
+      }
     }
   } catch (e) {
     const err = document.getElementById("error");

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import threading
 from importlib import resources
 from pathlib import Path
@@ -21,10 +22,12 @@ from pathlib import Path
 from ops.tools.dashboard import Board
 from workers.common import loopback_host
 
+log = logging.getLogger(__name__)
 DASHBOARD_EXTRA = "the dashboard needs its extra: pip install 'decoupled-diloco[dashboard]'"
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; connect-src 'self'; "
-                               "style-src 'unsafe-inline'; frame-ancestors 'none'",
+                               "style-src 'unsafe-inline'; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store"}
 
@@ -49,10 +52,14 @@ def _asset(name: str) -> bytes:
     return resources.files("ops.tools").joinpath(name).read_bytes()
 
 
-def make_app(board: Board, token: str | None = None):
-    """The Starlette application over `board` (polled elsewhere)."""
+def make_app(board: Board, token: str | None = None, host: str = "127.0.0.1"):
+    """The Starlette application over `board` (polled elsewhere). Listening on loopback, it
+    answers only requests that name a loopback host (a web page whose name an attacker
+    points at 127.0.0.1 cannot read the run)."""
     try:
         from starlette.applications import Starlette
+        from starlette.middleware import Middleware
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
         from starlette.responses import Response
         from starlette.routing import Route
     except ImportError as e:
@@ -75,8 +82,11 @@ def make_app(board: Board, token: str | None = None):
         body = json.dumps(board.state(), allow_nan=False, separators=(",", ":"))
         return Response(body, media_type="application/json", headers=HEADERS)
 
+    hosts = (["127.0.0.1", "localhost", "::1", "[::1]", host] if loopback_host(host)
+             else ["*"])  # beyond loopback the token guards the data
     return Starlette(routes=[Route("/", index), Route("/dashboard.js", js),
-                             Route("/api/state", state)])
+                             Route("/api/state", state)],
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
 
 
 def serve(board: Board, *, host: str, port: int, interval_s: float = 1.0,
@@ -90,7 +100,7 @@ def serve(board: Board, *, host: str, port: int, interval_s: float = 1.0,
         import uvicorn
     except ImportError as e:
         raise ValueError(DASHBOARD_EXTRA) from e
-    app = make_app(board, token)
+    app = make_app(board, token, host)
     for f in (certfile, keyfile):
         if f and not Path(f).is_file():
             raise ValueError(f"{f}: no such file")
@@ -98,7 +108,11 @@ def serve(board: Board, *, host: str, port: int, interval_s: float = 1.0,
 
     def loop() -> None:
         while not stop.is_set():
-            board.poll()
+            try:
+                board.poll()
+            except Exception as e:  # noqa: BLE001 (the page says why; the reader goes on)
+                log.exception("dashboard: reading the run failed")
+                board.error = f"{type(e).__name__}: {str(e)[:200]}"
             stop.wait(interval_s)
 
     board.poll()

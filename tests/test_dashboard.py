@@ -110,5 +110,8 @@ def test_a_dashboard_beyond_loopback_without_https_and_a_token_never_starts(tmp_
     (tmp_path / "short").write_text("abc\n")
     assert main(["dashboard", *base, "--token-file", str(tmp_path / "short")]) == 2
     assert "shorter than 16" in capsys.readouterr().err
+    (tmp_path / "odd").write_text("a token with spaces and é in it\n")
+    assert main(["dashboard", *base, "--token-file", str(tmp_path / "odd")]) == 2
+    assert "printable ASCII" in capsys.readouterr().err
     assert main(["dashboard", *base, "--tls-cert", "c.pem"]) == 2
     assert "go together" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def _fenced(e: redis.WatchError, p: int, what: str) -> Exception:
 
 
 class FencedState:
-    """The fenced writes and reads of a fragment's committed state (a part of
+    """The fenced writes and reads of a fragment's committed state (the `state` of
     :class:`broker.streams.FragmentStreams`)."""
 
     r: redis.Redis

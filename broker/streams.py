@@ -67,14 +67,16 @@ class Entry:
     fields: Fields
 
 
-class FragmentStreams(FencedState):
-    """Redis stream operations of one run's fragments, and their committed state
-    (:class:`broker.commit.FencedState`)."""
+class FragmentStreams:
+    """Redis stream operations of one run's fragments; `state` holds their committed state
+    (:class:`broker.commit.FencedState`: leases, commits, checkpoints)."""
 
     def __init__(self, r: redis.Redis, keys: RunKeys, *, max_entries: int = 100_000,
                  wait_replicas: int = 0, wait_timeout_ms: int = 1000,
                  piece_bytes: int = pieces.PIECE_BYTES):
-        super().__init__(r, keys, piece_bytes)
+        self.r = r
+        self.keys = keys
+        self.state = FencedState(r, keys, piece_bytes)
         self.max_entries = max_entries
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms

@@ -129,11 +129,11 @@ def test_a_value_over_redis_limit_is_an_outage_not_a_lost_lease(small_bulk_redis
 
     r = connect(small_bulk_redis.url)
     streams = FragmentStreams(r, RunKeys("big"))
-    assert streams.acquire_lease(0, "s0", 10_000)
+    assert streams.state.acquire_lease(0, "s0", 10_000)
     with pytest.raises(redis.ConnectionError) as err:
-        streams.init_fragment(0, "s0", state=b"\0" * (2 << 20), snapshot=b"x")
+        streams.state.init_fragment(0, "s0", state=b"\0" * (2 << 20), snapshot=b"x")
     assert not isinstance(err.value, LeaseLost)
-    assert streams.load_state(0, 2**30) is None  # nothing half-written
+    assert streams.state.load_state(0, 2**30) is None  # nothing half-written
     r.close()
 
 
@@ -149,16 +149,16 @@ def test_a_value_over_redis_limit_goes_in_pieces(small_bulk_redis):
     keys = RunKeys("big")
     streams = FragmentStreams(r, keys, piece_bytes=2**18)
     state, snap = bytes(range(256)) * (2 << 12), b"s" * (3 << 20)
-    assert streams.acquire_lease(0, "s0", 10_000)
-    assert streams.init_fragment(0, "s0", state=state, snapshot=snap)
-    assert streams.load_state(0, 2**30) == state and streams.read_global(0, 2**30) == snap
+    assert streams.state.acquire_lease(0, "s0", 10_000)
+    assert streams.state.init_fragment(0, "s0", state=state, snapshot=snap)
+    assert streams.state.load_state(0, 2**30) == state and streams.read_global(0, 2**30) == snap
     assert r.type(keys.fragment(0).state) == b"hash" and r.hlen(keys.fragment(0).state) == 9
     new = b"n" * ((2 << 20) + 5)
-    streams.commit_round(0, "s0", state=new, snapshot=b"tiny", version=1,
+    streams.state.commit_round(0, "s0", state=new, snapshot=b"tiny", version=1,
                          record={"version": 1}, ack_ids=[])
-    assert streams.load_state(0, 2**30) == new and streams.read_global(0, 2**30) == b"tiny"
+    assert streams.state.load_state(0, 2**30) == new and streams.read_global(0, 2**30) == b"tiny"
     assert pieces.nbytes(r, keys.fragment(0).state) == len(new)
-    assert streams.load_sent(0, [0, 1], 2**30) == {0: snap, 1: b"tiny"}
+    assert streams.state.load_sent(0, [0, 1], 2**30) == {0: snap, 1: b"tiny"}
     assert not list(r.scan_iter("*staging*"))
     r.close()
 

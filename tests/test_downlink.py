@@ -452,10 +452,11 @@ def test_a_restored_learner_does_not_push_again_what_it_pushed_after_its_checkpo
         params, _ = b.start()
         assert b.step == ckpt < sent
         assert b.core.inflight[p].key == key and b.core.inflight[p].step == ckpt
-        assert b._resumable(p, *key) and b._resumable(p, key[0], sent + 7)  # pending, maybe
-        b.sync = dataclasses.replace(b.sync, strict=True)  # a strict learner waits for it:
-        assert b._resumable(p, *key) and not b._resumable(p, key[0], sent + 7)  # merged only
-        b.sync = dataclasses.replace(b.sync, strict=False)
+        ck = b.checkpoints
+        assert ck.resumable(p, *key) and ck.resumable(p, key[0], sent + 7)  # pending, maybe
+        ck.sync = dataclasses.replace(ck.sync, strict=True)  # a strict learner waits for it:
+        assert ck.resumable(p, *key) and not ck.resumable(p, key[0], sent + 7)  # merged only
+        ck.sync = dataclasses.replace(ck.sync, strict=False)
         while b.core.inflight[p] is None or b.core.inflight[p].sent_step is not None:
             params = step(b, params)
             assert b.step < steps
@@ -554,14 +555,14 @@ def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_
     plain = SyncConfig(quorum=1, grace_max_s=0.0, guard=False)
     s = FragmentSyncer(p, _theta(shapes), OuterConfig(), plain, is_embedding=is_embedding)
     fs = FragmentStreams(r, ctx.keys)
-    assert fs.acquire_lease(p, "S", 10_000)
+    assert fs.state.acquire_lease(p, "S", 10_000)
     zctx = zmq.Context()
     net = LearnerNet(ctx, "L0", zctx)
     try:
         net.joined_at(p, 0, dict(s.sent_values))
         for i, merged in enumerate(({}, {"L0": Merged(0, 7, 2)}, {"L1": Merged(1, 9, 3)})):
             _round(s, i)
-            fs.commit_round(p, "S", state=None,
+            fs.state.commit_round(p, "S", state=None,
                             snapshot=codec.pack_snapshot("snap", p, s.version,
                                                          s.snapshot_tensors),
                             version=s.version, record={"version": s.version}, ack_ids=[],

@@ -102,37 +102,37 @@ def r(redis_url):
 def test_values_round_trip_whole_or_in_pieces_and_replace_atomically(r):
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
     state, snap = _blob(3500), _blob(999, 1)
-    assert s.acquire_lease(0, "s0", 10_000)
-    assert s.init_fragment(0, "s0", state=state, snapshot=snap)
+    assert s.state.acquire_lease(0, "s0", 10_000)
+    assert s.state.init_fragment(0, "s0", state=state, snapshot=snap)
     assert r.type(FK.state) == b"hash" and r.type(FK.global_) == b"string"  # 999 <= 1000
     man = json.loads(r.hget(FK.state, "m"))  # what `redis-cli HGET <key> m` shows
     assert man == {"v": 1, "bytes": 3500, "piece_bytes": 1000, "sha256": [
         hashlib.sha256(state[i:i + 1000]).hexdigest() for i in range(0, 3500, 1000)]}
     assert r.ttl(FK.state) == -1  # the staging key's TTL is cleared when it is named
-    assert s.load_state(0, 3500) == state and s.read_global(0, 999) == snap
+    assert s.state.load_state(0, 3500) == state and s.read_global(0, 999) == snap
     with pytest.raises(DecodeError, match="exceeds the limit of 3499"):
-        s.load_state(0, 3499)
+        s.state.load_state(0, 3499)
     # a round that writes a smaller state and a snapshot in pieces: each key replaced whole
     state1, snap1 = _blob(1200, 2), _blob(2001, 3)
-    s.commit_round(0, "s0", state=state1, snapshot=snap1, version=1, record={"version": 1},
+    s.state.commit_round(0, "s0", state=state1, snapshot=snap1, version=1, record={"version": 1},
                    ack_ids=[], extra_sent={0: snap})
     assert r.hlen(FK.state) == 3 and r.hlen(FK.sent(1)) == 4 and r.hlen(FK.global_) == 4
-    assert s.load_state(0, 2**20) == state1 and s.read_global(0, 2**20) == snap1
-    assert s.load_sent(0, [0, 1, 2], 2**20) == {0: snap, 1: snap1}
+    assert s.state.load_state(0, 2**20) == state1 and s.read_global(0, 2**20) == snap1
+    assert s.state.load_sent(0, [0, 1, 2], 2**20) == {0: snap, 1: snap1}
     assert pieces.nbytes(r, FK.sent(1)) == 2001 and pieces.nbytes(r, FK.sent(0)) == 999
-    s.checkpoint(0, "s0", state=b"small", version=1)
-    assert r.type(FK.state) == b"string" and s.load_state(0, 10) == b"small"
+    s.state.checkpoint(0, "s0", state=b"small", version=1)
+    assert r.type(FK.state) == b"string" and s.state.load_state(0, 10) == b"small"
     assert not list(r.scan_iter("*staging*"))
 
 
 def test_a_writer_that_dies_between_pieces_leaves_nothing_visible(r):
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
-    assert s.acquire_lease(0, "s0", 10_000)
-    assert s.init_fragment(0, "s0", state=b"old", snapshot=b"old")
+    assert s.state.acquire_lease(0, "s0", 10_000)
+    assert s.state.init_fragment(0, "s0", state=b"old", snapshot=b"old")
     staged = pieces.stage(r, FK.state, _blob(5000), 1000)  # staged, never named
     assert staged is not None and staged.startswith(FK.state + ":staging:")
     assert 0 < r.pttl(staged) <= pieces.STAGE_TTL_MS  # it expires by itself
-    assert s.load_state(0, 100) == b"old"
+    assert s.state.load_state(0, 100) == b"old"
     # a commit whose staged pieces vanished (expired) writes nothing, and says why
     real_stage = pieces.stage
     try:
@@ -143,24 +143,24 @@ def test_a_writer_that_dies_between_pieces_leaves_nothing_visible(r):
             return name
         pieces.stage = stage_then_lose
         with pytest.raises(redis.ConnectionError, match="expired before their commit"):
-            s.commit_round(0, "s0", state=_blob(3000), snapshot=b"new", version=1,
+            s.state.commit_round(0, "s0", state=_blob(3000), snapshot=b"new", version=1,
                            record={"version": 1}, ack_ids=[])
     finally:
         pieces.stage = real_stage
-    assert s.load_state(0, 100) == b"old" and s.read_global(0, 100) == b"old"
+    assert s.state.load_state(0, 100) == b"old" and s.read_global(0, 100) == b"old"
     assert not r.exists(FK.rounds) and not r.exists(FK.sent(1))
     # a commit fenced by the lease drops its staged pieces at once
     r.set(FK.lease, "s1")
     with pytest.raises(Exception, match="lease held by 's1'"):
-        s.checkpoint(0, "s0", state=_blob(3000), version=0)
+        s.state.checkpoint(0, "s0", state=_blob(3000), version=0)
     assert [k for k in r.scan_iter("*staging*")] == [staged.encode()]
 
 
 def test_a_value_replaced_while_it_is_read_is_read_again_whole(r, redis_url):
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
-    assert s.acquire_lease(0, "s0", 10_000)
+    assert s.state.acquire_lease(0, "s0", 10_000)
     first, second = _blob(4000, 1), _blob(2500, 2)
-    assert s.init_fragment(0, "s0", state=first, snapshot=b"x")
+    assert s.state.init_fragment(0, "s0", state=first, snapshot=b"x")
     writer = connect(redis_url)
     other = FragmentStreams(writer, KEYS, piece_bytes=1000)
     real_hget, calls = r.hget, []
@@ -168,12 +168,12 @@ def test_a_value_replaced_while_it_is_read_is_read_again_whole(r, redis_url):
     def hget(key, field):
         calls.append(field)
         if field == "2" and len(calls) == 4:  # between pieces 1 and 2 of the first read
-            other.checkpoint(0, "s0", state=second, version=0)
+            other.state.checkpoint(0, "s0", state=second, version=0)
         return real_hget(key, field)
 
     r.hget = hget
     try:
-        assert s.load_state(0, 2**20) == second
+        assert s.state.load_state(0, 2**20) == second
     finally:
         r.hget = real_hget
         writer.close()
@@ -183,22 +183,22 @@ def test_a_value_replaced_while_it_is_read_is_read_again_whole(r, redis_url):
 
 def test_a_corrupt_piece_or_manifest_is_refused_with_the_key_named(r):
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
-    assert s.acquire_lease(0, "s0", 10_000)
-    assert s.init_fragment(0, "s0", state=_blob(3000), snapshot=_blob(10))
+    assert s.state.acquire_lease(0, "s0", 10_000)
+    assert s.state.init_fragment(0, "s0", state=_blob(3000), snapshot=_blob(10))
     r.hset(FK.state, "1", b"forged" * 100)
     with pytest.raises(DecodeError, match=r"fragment 0's state at .*:state: piece 1 does not "
                                           r"match the manifest \(3 reads\)"):
-        s.load_state(0, 2**20)
+        s.state.load_state(0, 2**20)
     r.hset(FK.state, "m", _manifest(2**40, 2**30))
     with pytest.raises(DecodeError, match="exceeds the limit"):
-        s.load_state(0, 2**30)
+        s.state.load_state(0, 2**30)
     r.hdel(FK.state, "m")
     with pytest.raises(DecodeError, match="it has no manifest"):
-        s.load_state(0, 2**30)
+        s.state.load_state(0, 2**30)
     r.delete(FK.state)
     r.rpush(FK.state, b"a list")
     with pytest.raises(DecodeError):
-        s.load_state(0, 2**30)
+        s.state.load_state(0, 2**30)
     # read_many: strings in one round trip, the rest on their own, missing keys None
     r.set(FK.sent(3), b"three")
     got = pieces.read_many(r, [FK.sent(3), FK.sent(4), FK.global_], max_bytes=100)
@@ -229,8 +229,8 @@ def test_staging_that_outlasts_the_lease_extends_it_but_never_takes_it_back(r, m
     from broker.commit import LeaseLost
 
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
-    assert s.acquire_lease(0, "s0", 400)
-    assert s.init_fragment(0, "s0", state=b"old", snapshot=b"old")
+    assert s.state.acquire_lease(0, "s0", 400)
+    assert s.state.init_fragment(0, "s0", state=b"old", snapshot=b"old")
     real_stage = pieces.stage
 
     def slow_stage(client, key, blob, piece_bytes, after_piece=None):
@@ -240,11 +240,11 @@ def test_staging_that_outlasts_the_lease_extends_it_but_never_takes_it_back(r, m
         return real_stage(client, key, blob, piece_bytes, slow)
 
     monkeypatch.setattr(pieces, "stage", slow_stage)
-    assert s.acquire_lease(0, "s0", 400)
-    s.checkpoint(0, "s0", state=_blob(3000), version=0)
-    assert len(s.load_state(0, 2**20)) == 3000
+    assert s.state.acquire_lease(0, "s0", 400)
+    s.state.checkpoint(0, "s0", state=_blob(3000), version=0)
+    assert len(s.state.load_state(0, 2**20)) == 3000
     # the lease expires during staging and another syncer takes it: nothing is written
-    assert s.acquire_lease(0, "s0", 400)
+    assert s.state.acquire_lease(0, "s0", 400)
 
     def stage_and_lose(client, key, blob, piece_bytes, after_piece=None):
         def lose():
@@ -255,8 +255,8 @@ def test_staging_that_outlasts_the_lease_extends_it_but_never_takes_it_back(r, m
 
     monkeypatch.setattr(pieces, "stage", stage_and_lose)
     with pytest.raises(LeaseLost, match="held by 's1'"):
-        s.checkpoint(0, "s0", state=_blob(4000), version=0)
-    assert len(s.load_state(0, 2**20)) == 3000 and r.get(FK.lease) == b"s1"
+        s.state.checkpoint(0, "s0", state=_blob(4000), version=0)
+    assert len(s.state.load_state(0, 2**20)) == 3000 and r.get(FK.lease) == b"s1"
 
 
 def test_staging_renews_every_lease_held_and_a_checkpoint_retakes_an_expired_one(r, monkeypatch):
@@ -268,8 +268,8 @@ def test_staging_renews_every_lease_held_and_a_checkpoint_retakes_an_expired_one
     s = FragmentStreams(r, KEYS, piece_bytes=1000)
     other = RunKeys("pieces").fragment(1)
     for p in (0, 1):
-        assert s.acquire_lease(p, "s0", 400)
-    assert s.init_fragment(0, "s0", state=b"old", snapshot=b"old")
+        assert s.state.acquire_lease(p, "s0", 400)
+    assert s.state.init_fragment(0, "s0", state=b"old", snapshot=b"old")
     real_stage = pieces.stage
 
     def slow_stage(client, key, blob, piece_bytes, after_piece=None):
@@ -279,9 +279,9 @@ def test_staging_renews_every_lease_held_and_a_checkpoint_retakes_an_expired_one
         return real_stage(client, key, blob, piece_bytes, slow)
 
     monkeypatch.setattr(pieces, "stage", slow_stage)
-    s.checkpoint(0, "s0", state=_blob(5000), version=0)  # 5 pieces: 0.75 s
+    s.state.checkpoint(0, "s0", state=_blob(5000), version=0)  # 5 pieces: 0.75 s
     assert r.get(other.lease) == b"s0"  # fragment 1's lease renewed as well
     monkeypatch.setattr(pieces, "stage", real_stage)
     r.delete(FK.lease)  # expired, and nobody took it
-    s.checkpoint(0, "s0", state=_blob(3000, 4), version=0)
-    assert s.load_state(0, 2**20) == _blob(3000, 4) and r.get(FK.lease) == b"s0"
+    s.state.checkpoint(0, "s0", state=_blob(3000, 4), version=0)
+    assert s.state.load_state(0, 2**20) == _blob(3000, 4) and r.get(FK.lease) == b"s0"

@@ -1,8 +1,9 @@
 """Syncers started without a fragment list share the fragments through leases in Redis
-(`workers.syncer.Syncer._rebalance`): balanced by size, handed over when one joins, taken over
-when one dies (its entries read and never committed claimed by the new owner), given back when
-it returns — each contribution merged exactly once. A real redis-server; the syncers are
-objects in this process, driven one poll at a time so every step is deterministic."""
+(`workers.syncer_ownership.Ownership.rebalance`): balanced by size, handed over when one
+joins, taken over when one dies (its entries read and never committed claimed by the new
+owner), given back when it returns — each contribution merged exactly once. A real
+redis-server; the syncers are objects in this process, driven one poll at a time so every
+step is deterministic."""
 
 from __future__ import annotations
 
@@ -115,9 +116,9 @@ def test_syncers_share_hand_over_take_over_and_give_back(r, redis_url):
         b = make(redis_url, run, "syncer-b")
         b.start()
         assert b.owned == [] and b.phase == "standing by"  # a holds every lease yet
-        a._rebalance(force=True)  # a sees b: hands over b's share (its rounds are empty)
-        b._rebalance(force=True)
-        want = assign(a.sizes, ["syncer-a", "syncer-b"])
+        a.owner.rebalance(force=True)  # a sees b: hands over b's share (its rounds are empty)
+        b.owner.rebalance(force=True)
+        want = assign(a.sh.sizes, ["syncer-a", "syncer-b"])
         assert (a.owned, b.owned) == (want["syncer-a"], want["syncer-b"])
         assert a.owned and b.owned
         assert owners(r, keys) == {p: s for s, ps in want.items() for p in ps}
@@ -139,7 +140,7 @@ def test_syncers_share_hand_over_take_over_and_give_back(r, redis_url):
         got = b.streams.read_new("syncer-b", b.owned, count=100, block_ms=20)
         assert {e.fragment for e in got} == set(b.owned)
         gone(r, keys, b)
-        a._rebalance(force=True)  # a takes b's fragments and claims b's pending entries
+        a.owner.rebalance(force=True)  # a takes b's fragments and claims b's pending entries
         assert a.owned == list(range(N_FRAGS))
         poll_until([a], lambda: set(versions([a]).values()) == {2})
         assert all(xpending_count(r, keys.fragment(p)) == 0 for p in range(N_FRAGS))
@@ -149,8 +150,8 @@ def test_syncers_share_hand_over_take_over_and_give_back(r, redis_url):
         # b comes back under its id: a gives its share back, b continues from a's commits
         b2 = make(redis_url, run, "syncer-b")
         b2.start()
-        a._rebalance(force=True)
-        b2._rebalance(force=True)
+        a.owner.rebalance(force=True)
+        b2.owner.rebalance(force=True)
         assert (a.owned, b2.owned) == (want["syncer-a"], want["syncer-b"])
         assert {p: b2.frags[p].core.version for p in b2.owned} == {p: 2 for p in b2.owned}
         push_round(r, keys, cfg, 2, versions([a, b2]))
@@ -181,7 +182,7 @@ def test_a_syncer_with_a_fragment_list_stands_by_as_before(r, redis_url):
     finally:
         s.pub.close()
         for p in s.owned:
-            s.streams.release_lease(p, "syncer-f")
+            s.streams.state.release_lease(p, "syncer-f")
         ctx.r.close()
         zctx.term()
 
@@ -206,12 +207,12 @@ def test_a_hand_over_mid_round_loses_none_of_the_round_and_a_lost_lease_drops_qu
         first = push(r, keys, p, contribution_fields("L0", p, make_delta(cfg, p, 7),
                                                      base_version=1, step=50))
         poll_until([a], lambda: bool(a.frags[p].core.contributors))
-        a._drop(p, release=True)  # the hand-over: a checkpoint at v1, then the lease
+        a.owner.hand_over(p)  # the hand-over: a checkpoint at v1, then the lease
         assert p not in a.owned and r.get(keys.fragment(p).lease) is None
         b = make(redis_url, run, "syncer-b")
         b._next_lease = float("inf")  # driven by hand here: no lease renewal, no rebalance
-        b.streams.acquire_lease(p, "syncer-b", 10_000)
-        b._adopt([p])  # claims L0's entry from a and merges it
+        b.streams.state.acquire_lease(p, "syncer-b", 10_000)
+        b.owner.adopt([p])  # claims L0's entry from a and merges it
         assert b.frags[p].core.contributors == frozenset({"L0"})
         second = push(r, keys, p, contribution_fields("L1", p, make_delta(cfg, p, 8),
                                                       base_version=1, step=50))

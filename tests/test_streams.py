@@ -150,7 +150,7 @@ def test_ensure_group_reads_entries_pushed_before_the_group(r, cfg):
 
 
 def _commit(fs, owner, ids, version=1, drop=(), checkpoint=True, merged=None):
-    return fs.commit_round(P, owner, state=b"STATE%d" % version if checkpoint else None,
+    return fs.state.commit_round(P, owner, state=b"STATE%d" % version if checkpoint else None,
                            snapshot=b"SNAP%d" % version, version=version,
                            record={"version": version, "included": [[i, "L"] for i in ids],
                                    "reason": "test", "t": 1.5},
@@ -170,7 +170,7 @@ def test_commit_round_is_fenced_by_the_lease(r, keys, fs, cfg):
     with pytest.raises(LeaseLost):
         _commit(fs, "syncer-0", ids, merged=merged)
     # another syncer holds it
-    assert fs.acquire_lease(P, "syncer-1", 10_000)
+    assert fs.state.acquire_lease(P, "syncer-1", 10_000)
     with pytest.raises(LeaseLost):
         _commit(fs, "syncer-0", ids, merged=merged)
     assert {k: r.get(k) for k in before} == before
@@ -187,7 +187,7 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
     fs.read_new("syncer-0", [P], count=10, block_ms=10)
     assert xpending_count(r, fk) == 3
     r.set(fk.sent(0), b"SNAP0")
-    assert fs.acquire_lease(P, "syncer-0", 10_000)
+    assert fs.state.acquire_lease(P, "syncer-0", 10_000)
 
     r.hset(fk.merged, "L2", Merged(0, 3, 0).to_json())  # an earlier round's record stays
     rid = _commit(fs, "syncer-0", ids, version=1, drop=[0],
@@ -206,11 +206,11 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
     assert json.loads(rec[b"included"]) == [[i, "L"] for i in ids]
     assert rec[b"version"] == b"1" and rec[b"reason"] == b"test" and float(rec[b"t"]) == 1.5
     assert xpending_count(r, fk) == 1
-    assert fs.load_state(P, 100) == b"STATE1" and fs.read_global(P, 100) == b"SNAP1"
-    assert fs.load_sent(P, [0, 1, 2], 100) == {1: b"SNAP1"}
+    assert fs.state.load_state(P, 100) == b"STATE1" and fs.read_global(P, 100) == b"SNAP1"
+    assert fs.state.load_sent(P, [0, 1, 2], 100) == {1: b"SNAP1"}
 
     # a commit without acks returns the record id too (the last reply, not an XACK count)
-    rid2 = fs.commit_round(P, "syncer-0", state=b"STATE2", snapshot=b"SNAP2", version=2,
+    rid2 = fs.state.commit_round(P, "syncer-0", state=b"STATE2", snapshot=b"SNAP2", version=2,
                            record={"version": 2}, ack_ids=[], extra_sent={7: b"X"})
     assert [x.decode() for x, _ in r.xrange(fk.rounds)] == [rid, rid2]
     assert r.get(fk.sent(7)) == b"X" and r.get(fk.sent(1)) == b"SNAP1"
@@ -225,30 +225,30 @@ def test_a_round_between_checkpoints_leaves_the_state_and_keeps_old_snapshots(r,
     fs.read_new("syncer-0", [P], count=10, block_ms=10)
     r.set(fk.state, b"STATE0")
     r.set(fk.sent(0), b"SNAP0")
-    assert fs.acquire_lease(P, "syncer-0", 10_000)
+    assert fs.state.acquire_lease(P, "syncer-0", 10_000)
     _commit(fs, "syncer-0", ids, version=1, checkpoint=False)
     assert r.get(fk.state) == b"STATE0"  # the checkpoint stays at version 0
     assert (r.get(fk.global_), r.get(fk.sent(1)), r.get(fk.sent(0))) == (b"SNAP1", b"SNAP1",
                                                                            b"SNAP0")
     assert r.xlen(fk.rounds) == 1 and xpending_count(r, fk) == 0
-    fs.checkpoint(P, "syncer-0", state=b"STATE1", version=1, drop_sent_versions=[0, 1])
+    fs.state.checkpoint(P, "syncer-0", state=b"STATE1", version=1, drop_sent_versions=[0, 1])
     assert r.get(fk.state) == b"STATE1"
     assert r.get(fk.sent(0)) is None and r.get(fk.sent(1)) == b"SNAP1"  # never its own
-    assert fs.acquire_lease(P, "syncer-1", 10) is False
+    assert fs.state.acquire_lease(P, "syncer-1", 10) is False
     r.set(fk.lease, b"syncer-1")
     with pytest.raises(LeaseLost):
-        fs.checkpoint(P, "syncer-0", state=b"STATE9", version=1)
+        fs.state.checkpoint(P, "syncer-0", state=b"STATE9", version=1)
     assert r.get(fk.state) == b"STATE1"
 
 
 def test_init_fragment_once_and_fenced(r, keys, fs):
     fk = keys.fragment(P)
     with pytest.raises(LeaseLost):
-        fs.init_fragment(P, "syncer-0", state=b"S0", snapshot=b"G0")
+        fs.state.init_fragment(P, "syncer-0", state=b"S0", snapshot=b"G0")
     assert r.get(fk.state) is None
-    assert fs.acquire_lease(P, "syncer-0", 10_000)
-    assert fs.init_fragment(P, "syncer-0", state=b"S0", snapshot=b"G0") is True
-    assert fs.init_fragment(P, "syncer-0", state=b"S1", snapshot=b"G1") is False
+    assert fs.state.acquire_lease(P, "syncer-0", 10_000)
+    assert fs.state.init_fragment(P, "syncer-0", state=b"S0", snapshot=b"G0") is True
+    assert fs.state.init_fragment(P, "syncer-0", state=b"S1", snapshot=b"G1") is False
     assert (r.get(fk.state), r.get(fk.global_), r.get(fk.sent(0))) == (b"S0", b"G0", b"G0")
     assert fs.read_global(P, 100) == b"G0"
 
@@ -330,25 +330,25 @@ def test_autoclaim_pages_through_many_entries(r, keys, fs, cfg):
 
 def test_lease_is_exclusive_renewable_and_released_by_owner_only(r, keys, fs):
     key = keys.fragment(P).lease
-    assert fs.acquire_lease(P, "A", 5_000)
-    assert not fs.acquire_lease(P, "B", 5_000)
+    assert fs.state.acquire_lease(P, "A", 5_000)
+    assert not fs.state.acquire_lease(P, "B", 5_000)
     r.pexpire(key, 1_000)
-    assert fs.acquire_lease(P, "A", 60_000)  # the owner renews
+    assert fs.state.acquire_lease(P, "A", 60_000)  # the owner renews
     assert r.pttl(key) > 5_000
-    fs.release_lease(P, "B")  # not the owner: no effect
+    fs.state.release_lease(P, "B")  # not the owner: no effect
     assert r.get(key) == b"A"
-    fs.release_lease(P, "A")
+    fs.state.release_lease(P, "A")
     assert r.get(key) is None
-    assert fs.acquire_lease(P, "B", 5_000)
-    assert not fs.acquire_lease(P, "A", 5_000)
+    assert fs.state.acquire_lease(P, "B", 5_000)
+    assert not fs.state.acquire_lease(P, "A", 5_000)
     # other fragments have their own leases
-    assert fs.acquire_lease(0, "A", 5_000)
+    assert fs.state.acquire_lease(0, "A", 5_000)
 
 
 def test_lease_expires(r, keys, fs):
-    assert fs.acquire_lease(P, "A", 150)
-    assert not fs.acquire_lease(P, "B", 5_000)
-    wait_for(lambda: fs.acquire_lease(P, "B", 5_000), timeout_s=5, what="the lease to expire")
+    assert fs.state.acquire_lease(P, "A", 150)
+    assert not fs.state.acquire_lease(P, "B", 5_000)
+    wait_for(lambda: fs.state.acquire_lease(P, "B", 5_000), timeout_s=5, what="the lease to expire")
     assert r.get(keys.fragment(P).lease) == b"B"
 
 

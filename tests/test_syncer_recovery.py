@@ -76,7 +76,7 @@ def syncer_in_process(cfg: SyncerConfig):
     finally:
         s.pub.close()
         for p in s.owned:
-            s.streams.release_lease(p, cfg.syncer_id)
+            s.streams.state.release_lease(p, cfg.syncer_id)
         ctx.r.close()
         zctx.term()
 
@@ -528,7 +528,7 @@ def test_rounds_redis_lost_are_committed_again_with_their_snapshots(r, redis_url
         r.execute_command("XSETID", fk.rounds, "1-0")
         r.delete(fk.sent(2), fk.sent(3))
         r.copy(fk.sent(1), fk.global_, replace=True)
-        a._resync()
+        a.commits.resync()
         assert [i for i, _ in r.xrange(fk.rounds)] == [b"1-0", b"2-0", b"3-0"]
         for v in (1, 2, 3):
             assert pieces.read(r, fk.sent(v), max_bytes=2**30) == held[v], v

@@ -22,22 +22,19 @@ Merged values arrive on the network thread (`workers.learner_net`) and are appli
 `after_step`, so the step is never interrupted. An island over several devices passes `place`
 (`pipeline.mesh.Placement.params`) and gets merged values back on its mesh.
 
-The CLI learner (`workers/learner.py`) is this class with the run's own task and loop.
+Checkpoints (`workers.island_checkpoint`) and the final flush (`workers.island_final`) are
+units of their own. The CLI learner (`workers/learner.py`) is this class with the run's own
+task and loop.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
-import re
 import socket
 import time
-import zipfile
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,80 +43,29 @@ import numpy as np
 import redis
 import zmq
 
-from broker import codec, pieces, registry, signing
-from broker.connection import OUTAGE, quick
+from broker import registry, signing
+from broker.connection import OUTAGE
 from broker.entries import EntryMeta, entry_fields
-from broker.errors import BrokerError, DecodeError, Superseded
-from broker.pubsub import CurveClient
-from broker.records import FinalPushes, Heartbeat, LearnerFinal
-from pipeline import quant, tree
+from broker.errors import BrokerError, Superseded
+from broker.records import Heartbeat, LearnerFinal
+from pipeline import tree
 from pipeline.contribution import poisoned
-from pipeline.learner import DEFER, LearnerCore, Push
+from pipeline.learner import LearnerCore, Push
 from workers.common import (
-    NpzWriter,
     RunContext,
-    decode_values,
     open_run,
     process_age_s,
     read_snapshot,
-    stale_temps,
 )
-from workers.island_checkpoint import acked_pushes, checkpoint_arrays, pushed_after, restore_opt
+from workers.island_checkpoint import Checkpoints, Joined
+from workers.island_config import IslandConfig, finite_or_none, shard_of
+from workers.island_final import final_flush
+from workers.island_lookup import MergedLookup
 from workers.learner_net import LearnerNet
 
 log = logging.getLogger("diloco.learner")
 
 Placer = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class IslandConfig:
-    """One learner ("island": one or more local devices). Everything about the run comes from
-    Redis; `task` names the user task this process may import (`pipeline.task.task_of`)."""
-
-    redis_url: str
-    run: str
-    learner_id: str = "L0"
-    shard: int | None = None       # data shard (default: the number in the id)
-    task: str | None = None        # the user task this process's command line names
-    sync: bool = True              # False: train alone (the "syncing off" baseline)
-    wait_config_s: float = 60.0
-    final_timeout_s: float = 300.0
-    state_dir: str | None = None   # checkpoint and acknowledged-push log
-    checkpoint_every: int = 0      # inner steps between checkpoints (0: every Δh steps)
-    sub_endpoints: tuple[str, ...] = ()  # connect here instead of the advertised endpoints
-    devices: int = 1               # devices of this island (reported in heartbeats)
-    # the most tokens one inner step trains on, declared in heartbeats (default: the task's
-    # tokens per step); `after_step` refuses more
-    max_tokens_per_step: int | None = None
-    # ZeroMQ CURVE: this learner's key pair and the run's pinned syncer key (None: plaintext)
-    curve: CurveClient | None = None
-    # signed contributions: this learner's signing key (broker/signing.py; None: unsigned)
-    sign_key: bytes | None = None
-
-
-def _finite_or_none(x: Any) -> float | None:
-    """A loss for a heartbeat: None when absent or not finite (heartbeats carry finite
-    numbers only)."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if np.isfinite(x) else None
-
-
-def shard_of(learner_id: str, shard: int | None, learners: int) -> int:
-    """The data shard of a learner: `shard`, else the trailing number of its id, else 0.
-
-    Raises:
-        ValueError: The shard is not one of the run's ``learners`` shards.
-    """
-    if shard is None:
-        m = re.search(r"(\d+)$", learner_id)
-        shard = int(m.group(1)) if m else 0
-    if not 0 <= shard < learners:
-        raise ValueError(f"learner {learner_id}: shard {shard} is out of range "
-                         f"[0, {learners - 1}]")
-    return shard
 
 
 class Island:
@@ -174,12 +120,11 @@ class Island:
         self.report: LearnerFinal | None = None
         self.core: LearnerCore | None = None  # built on joining, from the fragments' snapshots
         self.epoch = 0  # this process's epoch of its learner id, claimed on joining
-        self._quick: redis.Redis | None = None  # fail-fast reads of the training loop
         self._params: dict[str, Any] | None = None  # flat, as of the last after_step
         self._treedef: Any = None
         self._names: list[str] = []
         self._prior: Heartbeat | None = None
-        self._joined: tuple[list[int], dict[str, np.ndarray]] | None = None
+        self._joined: Joined | None = None
         self._push_time: dict[int, float] = {}
         # the training thread's last sign of life: a step, or a wait on merged values (the
         # liveness probe, workers/metrics.py)
@@ -191,9 +136,9 @@ class Island:
         self._t_rate, self._tok_rate = 0.0, 0
         self._steps_here = 0
         self._closed = False
-        self._checkpoints = 0
-        self._ckpt_writer = NpzWriter(f"{self.id} checkpoint")
-        self.stall_in_checkpoint = 0  # fault injection (CLI learner only): see _checkpoint
+        self._lookup = MergedLookup(self.ctx, self.id, self.net)
+        self.checkpoints = Checkpoints(self.ctx, self.id, self.sync, self.state_dir,
+                                       self._push_log)
         self.poison: tuple[str, float] | None = None  # fault injection: (kind, scale), _send
 
     # -- the caller's loop -----------------------------------------------------------------------
@@ -229,7 +174,14 @@ class Island:
         self._join()
         if callable(opt_state):
             opt_state = opt_state(self._out(self._params))
-        self.step, self.tokens_done, opt_state = self._resume(opt_state)
+        res = self.checkpoints.resume(opt_state, core=self.core, joined=self._joined,
+                                      prior=self._prior, new_core=self._new_core,
+                                      place=self._place)
+        self.step, self.tokens_done, opt_state = res.step, res.tokens, res.opt_state
+        self.core = res.core or self.core
+        if res.params is not None:
+            self._params = res.params
+        self._push_time.update(dict.fromkeys(res.inflight, time.monotonic()))
         self.startup["joined_at_s"] = process_age_s()
         self._t_last = self._t_start = self._t_rate = time.monotonic()
         self._tok_rate = self.tokens_done
@@ -292,10 +244,11 @@ class Island:
             self._t_rate, self._tok_rate = now, self.tokens_done
             self.net.report(step=self.step, tokens=self.tokens_done, tokens_per_s=tps,
                             step_s=self.step_s, versions=list(self.core.base_version),
-                            loss=_finite_or_none(loss), **self._identity())
+                            loss=finite_or_none(loss), **self._identity())
         if self.state_dir is not None and self.step % self.every == 0:
             self._check_net()  # a superseded process writes no checkpoint
-            self._checkpoint(opt_state)
+            self.checkpoints.write(step=self.step, tokens=self.tokens_done, core=self.core,
+                                   params=self._params, opt_state=opt_state)
         self._t_last = time.monotonic()
         self.sync_s += self._t_last - t_in
         return self._out(flat)
@@ -314,7 +267,7 @@ class Island:
         """
         if params is not None:
             self._params = self._flat(params)
-        self.report = self._finish()
+        self.report = final_flush(self)
         return self._out(self._params)
 
     def close(self) -> None:
@@ -324,7 +277,7 @@ class Island:
             return
         self._closed = True
         started = self.net.is_alive() or self.net.ident is not None
-        self._ckpt_writer.close()
+        self.checkpoints.close()
         try:
             if started:
                 self.net.close()
@@ -339,8 +292,7 @@ class Island:
                 if started and self.net.superseded is None and not self._superseded_now():
                     registry.leave(self.ctx.r, self.ctx.keys, self.id)
             finally:
-                if self._quick is not None:
-                    self._quick.close()
+                self._lookup.close()
                 if self._own_zctx:
                     self.zctx.term()
 
@@ -402,62 +354,19 @@ class Island:
             versions.append(snap[0])
             values.update(snap[1])
             self.net.joined_at(p, snap[0], snap[1])
-        self.core = self._new_core(values, versions)
-        self._params = self._place({k: values[k] for k in self.ctx.shapes})
         self._joined = (versions, values)
+        self.core = self._new_core(self._joined)
+        self._params = self._place({k: values[k] for k in self.ctx.shapes})
         rejoin = any(versions)
         registry.event(self.ctx.r, self.ctx.keys, "rejoin" if rejoin else "join", learner=self.id,
                        versions=versions, pid=os.getpid(), devices=self.cfg.devices)
 
-    def _new_core(self, values: dict[str, np.ndarray], versions: list[int]) -> LearnerCore:
+    def _new_core(self, joined: Joined) -> LearnerCore:
+        """A core at the values read when joining."""
+        versions, values = joined
         core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
-        core.merged_lookup = self._merged_lookup
+        core.merged_lookup = self._lookup
         return core
-
-    def _merged_lookup(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | str | None:
-        """Was fragment p's push in flight merged, though its value never came? Then that
-        version's value (or the latest, if Redis no longer keeps it) from its snapshot, for
-        `LearnerCore.rebase_merged`; None when it was not; `DEFER` when Redis cannot say now
-        (unreachable: the training loop must not wait on it, and pushing everything again
-        could repeat merged progress)."""
-        if self.net.redis_down:
-            return DEFER
-        fk = self.ctx.keys.fragment(p)
-        try:
-            if self._quick is None:  # a cluster client reads the slot map when it is built
-                self._quick = quick(self.ctx.r)
-            r = self._quick
-            rec = registry.merged(r, self.ctx.keys, self.id, p)
-            if rec is None or (rec.base_version, rec.step) != f.key:
-                return None
-            limit = self.run_cfg.broker.max_payload_bytes
-            blob = (pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
-                    or pieces.read(r, fk.global_, max_bytes=limit, what="snapshot"))
-            if blob is None:
-                return None
-            header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
-        except (redis.RedisError, *OUTAGE) as e:
-            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing at the fragment's next turn", self.id, f.key[1], p, e)
-            return DEFER
-        except DecodeError as e:
-            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing all its progress again", self.id, f.key[1], p, e)
-            return None
-        problem = self.net.check_value(header, tensors)
-        if problem or header.fragment != p or header.version < rec.version:
-            log.warning("%s: the snapshot of fragment %d is not usable (%s); pushing all "
-                        "the progress again", self.id, p, problem or "an older version")
-            return None
-        values = decode_values(tensors)
-        if not all(np.isfinite(v).all() for v in values.values()):
-            log.warning("%s: non-finite values in the snapshot of fragment %d", self.id, p)
-            return None
-        self.net.joined_at(p, header.version, values)
-        log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
-                 "rebased onto v%d, pushing only the progress since", self.id, f.key[1], p,
-                 rec.version, header.version)
-        return header.version, values
 
     def _newer_epoch(self) -> int | None:
         """A newer process's epoch of this learner id, read now (None: none)."""
@@ -538,212 +447,7 @@ class Island:
                 self.net.request_snapshot(p)
                 self._push_time[p] = now
 
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def _ckpt_path(self) -> Path | None:
-        return self.state_dir / f"{self.id}.ckpt.npz" if self.state_dir else None
-
-    def _checkpoint(self, opt_state: Any) -> None:
-        """Everything a restart needs to lose only the steps since this checkpoint, written
-        atomically (temp file + rename): position, optimizer state, the parameters with
-        their unpushed progress, and the sync bookkeeping (bases, counters, push in flight)."""
-        path = self._ckpt_path()
-        # the write in progress ends first: never two copies of the state in host memory
-        self._ckpt_writer.wait()
-        meta, core_arrays = self.core.state_dict()
-        arrays = checkpoint_arrays(step=self.step, tokens=self.tokens_done,
-                                   run_hash=self.ctx.run_hash, core_meta=meta,
-                                   core_arrays=core_arrays, params=self._params,
-                                   opt_state=opt_state)
-        self._checkpoints += 1
-        # written and fsynced off the training thread; the next checkpoint waits for this one
-        self._ckpt_writer.submit(path, arrays,
-                                 stall_after_half=self._checkpoints == self.stall_in_checkpoint)
-
-    def _resume(self, opt_state: Any) -> tuple[int, int, Any]:
-        """(step, tokens, optimizer state) to continue from after a restart.
-
-        From the island's own checkpoint when it has one; else the step from its last
-        heartbeat in Redis with the given optimizer state; else from scratch.
-        """
-        path = self._ckpt_path()
-        for tmp in stale_temps(path) if path is not None else ():
-            log.warning("%s: removing %s, left by a checkpoint write that did not finish",
-                        self.id, tmp)
-            tmp.unlink(missing_ok=True)
-        if path is not None and path.exists():
-            given = opt_state
-            try:
-                with np.load(path) as z:
-                    if str(z["run_hash"]) == self.ctx.run_hash:
-                        step, tokens = int(z["step"]), int(z["tokens"])
-                        opt_state = restore_opt(z, opt_state, self.id)
-                        progress = "core" in z.files and self._restore_progress(z, step)
-                        registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
-                                       step=step, source="checkpoint", progress=int(progress))
-                        return step, tokens, opt_state
-            except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
-                    zlib.error) as e:
-                # truncated or corrupt: set it aside and resume from the snapshots read at join
-                aside = path.with_name(path.name + ".corrupt")
-                os.replace(path, aside)
-                log.error("%s: checkpoint %s is unreadable (%s: %s); moved to %s, resuming "
-                          "from the latest global values", self.id, path, type(e).__name__, e,
-                          aside)
-                registry.event(self.ctx.r, self.ctx.keys, "checkpoint-corrupt",
-                               learner=self.id, error=f"{type(e).__name__}: {e}")
-                versions, values = self._joined
-                self.core = LearnerCore(self.id, self.ctx.fragments, self.sync, values,
-                                        versions)
-                self._params = self._place({k: values[k] for k in self.ctx.shapes})
-                opt_state = given
-        rec = self._prior
-        if rec and rec.step:
-            registry.event(self.ctx.r, self.ctx.keys, "resume", learner=self.id,
-                           step=rec.step, source="heartbeat")
-            return int(rec.step), int(rec.tokens), opt_state
-        return 0, 0, opt_state
-
-    def _restore_progress(self, z, step: int) -> bool:
-        """Resume the checkpointed parameters and sync bookkeeping instead of the snapshots read
-        at join: the unpushed progress of every fragment survives the restart. A push in flight
-        that Redis never acknowledged is forgotten (its progress goes out with the next push);
-        a fragment pushed after the checkpoint (the push log says Redis acknowledged it) has
-        that push taken as in flight, since it holds all the checkpoint's progress of that
-        fragment and may have been merged (`LearnerCore.resume_pushed`); the snapshots newer
-        than the checkpoint's bases are applied the usual way."""
-        try:
-            meta = json.loads(str(z["core"]))
-            params = {n: np.asarray(z[f"theta/{n}"], np.float32) for n in self.ctx.shapes}
-            for n, v in params.items():
-                if v.shape != tuple(self.ctx.shapes[n]):
-                    raise ValueError(f"theta/{n} has shape {v.shape}, not {self.ctx.shapes[n]}")
-            core_arrays = {k[len("core/"):]: z[k] for k in z.files if k.startswith("core/")}
-            self.core.load_state(meta, core_arrays)
-        except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as e:
-            log.warning("%s: checkpoint progress not restored (%s); starting from the snapshots",
-                        self.id, e)
-            versions, values = self._joined
-            self.core = self._new_core(values, versions)
-            return False
-        acked = acked_pushes(self._push_log, self.id, len(self.ctx.fragments),
-                             self.ctx.run_hash)
-        known = {key for key, _ in acked}
-        for p, f in enumerate(self.core.inflight):
-            if f is not None and (p, *f.key) not in known:
-                self.core.forget_push(p)
-        for p, (version, sent) in pushed_after(acked, step, self.core.base_version).items():
-            if self._resumable(p, version, sent):
-                log.info("%s: fragment %d was pushed at step %d, after the checkpoint (step "
-                         "%d): that push is taken as in flight", self.id, p, sent, step)
-                self.core.resume_pushed(p, version, sent, step, params)
-        for p, f in enumerate(self.core.inflight):
-            if f is not None:  # its merged value may still come: repair on the usual timeout
-                self._push_time[p] = time.monotonic()
-        self._params = self._place(params)
-        versions, values = self._joined
-        for p, v in enumerate(versions):
-            self.core.on_global(p, v, values)  # ignored unless newer than the restored base
-        return True
-
-    def _resumable(self, p: int, version: int, sent: int) -> bool:
-        """May the push of fragment p (on `version`, at step `sent`) be taken as in flight?
-        Not if the syncer refused it; in strict modes, which wait for its merged value, only
-        if the syncer's merge record names it (a push Redis lost would keep it waiting); not
-        if Redis cannot say now (its progress then goes out again, as before)."""
-        try:
-            rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
-            if rec is not None and (rec.base_version, rec.step) == (version, sent):
-                return True
-            if self.sync.strict:
-                return False
-            ref = registry.refusal(self.ctx.r, self.ctx.keys, self.id, p)
-        except (redis.RedisError, *OUTAGE) as e:
-            log.warning("%s: could not check push %d of fragment %d (%s); its progress goes "
-                        "out again", self.id, sent, p, e)
-            return False
-        return ref is None or (ref.base_version, ref.step) != (version, sent)
-
     # -- the end ---------------------------------------------------------------------------------
-
-    def _finish(self) -> LearnerFinal:
-        if self._steps_here:
-            self.train_s = self._t_last - self._t_start
-            if self._steps_here > 1 and self._t_last > self._t_first:
-                self.steady_steps_per_s = (self._steps_here - 1) / (self._t_last - self._t_first)
-        self._check_net()
-        deadline = time.monotonic() + self.cfg.final_timeout_s
-        final: list[Push] = []
-        flat = self._params
-        if self.cfg.sync:
-            # every push's own merged value first ("rebase" applies a value that does not
-            # hold the push in flight and goes on waiting for the one that does)
-            while True:
-                flat = self.core.apply_due(10**12, flat)
-                if all(f is None for f in self.core.inflight):
-                    break
-                if time.monotonic() > deadline:
-                    raise BrokerError(f"{self.id}: no merged value arrived for the final flush")
-                if not self._drain_inbox(timeout_s=1.0):
-                    for p, f in enumerate(self.core.inflight):
-                        if f is not None and self.core.pending[p] is None:
-                            self._forget_if_refused(p, f)
-                        if self.core.inflight[p] is not None:
-                            self.net.request_snapshot(p)
-            final = self.core.push_all(self.step, flat)
-            for push in final:
-                self._send(push, final=True)
-            if not self.net.wait_flushed(self.cfg.final_timeout_s):
-                self._check_net()
-                raise BrokerError(f"{self.id}: final pushes not accepted by Redis in time")
-        self._check_current()  # the end-of-run records are the newest process's to write
-        registry.mark_final_pushes(self.ctx.r, self.ctx.keys, self.id, self._signed(
-            "final-pushes", FinalPushes(final=[p.fragment for p in final], steps=self.step,
-                                        tokens=self.tokens_done)))
-        hashes = {}
-        if self.cfg.sync:
-            versions = self._wait_final_versions(deadline)
-            for p, v in versions.items():
-                while self.core.base_version[p] < v and (self.core.pending[p] is None
-                                                         or self.core.pending[p][0] < v):
-                    if time.monotonic() > deadline:
-                        raise BrokerError(f"{self.id}: final value of fragment {p} not received")
-                    if not self._drain_inbox(timeout_s=0.5):
-                        self.net.request_snapshot(p)
-            flat = self.core.apply_due(10**12, flat)
-            for p, v in versions.items():
-                if self.core.inflight[p] is not None and self.core.base_version[p] >= v:
-                    # the final push was refused: every learner ends on the final value
-                    flat = self.core.adopt_base(p, flat)
-            flat = self._place(flat)
-            values = {k: np.asarray(v) for k, v in flat.items()}
-            hashes = {str(p): quant.tensors_hash({n: values[n] for n in names})
-                      for p, names in enumerate(self.ctx.fragments)}
-        self._params = flat
-        s = self.net.stats
-        report = LearnerFinal(
-            hashes=hashes, versions=list(self.core.base_version), steps=self.step,
-            tokens=self.tokens_done, bytes_sent=s.bytes_sent,
-            bytes_received=self.net.bytes_received, pushes_attempted=s.pushes_attempted,
-            pushes_acked=s.pushes_acked, zmq_gaps=s.zmq_gaps, snapshots_read=s.snapshots_read,
-            step_s=self.step_s, train_s=self.train_s, steps_per_s=self.steady_steps_per_s,
-            rejected=s.rejected, rebased_merged=self.core.rebased_merged,
-            sync_s=round(self.sync_s, 3))
-        log.info("%s: %d steps in %.1f s of training; %.1f s (%.1f%%) in pushes, merged values, "
-                 "heartbeats and checkpoints", self.id, self._steps_here, self.train_s,
-                 self.sync_s, 100 * self.sync_s / max(self.train_s, 1e-9))
-        report = self._signed("final", report)
-        self._check_current()
-        registry.mark_learner_final(self.ctx.r, self.ctx.keys, self.id, report)
-        registry.event(self.ctx.r, self.ctx.keys, "done", learner=self.id, steps=self.step)
-        return report
-
-    def _signed(self, kind: str, rec: Any) -> Any:
-        """An end-of-run report signed with this learner's key (syncers that verify count
-        only signed reports of learners they hold keys for)."""
-        if self.cfg.sign_key is None:
-            return rec
-        return signing.sign_record(self.cfg.sign_key, self.ctx.keys.run, kind, self.id, rec)
 
     def _forget_if_refused(self, p: int, f: Any) -> None:
         """The syncer refused the push in flight for fragment p (no merged value will come
@@ -753,16 +457,3 @@ class Island:
             log.warning("%s: the syncer refused the push of fragment %d at step %d (%s)",
                         self.id, p, f.key[1], rec.reason)
             self.core.forget_push(p)
-
-    def _wait_final_versions(self, deadline: float) -> dict[int, int]:
-        """Fragment → final version, once the syncers have closed every final round."""
-        n = len(self.ctx.fragments)
-        while True:
-            versions: dict[int, int] = {}
-            for rep in registry.syncer_final_reports(self.ctx.r, self.ctx.keys).values():
-                versions.update({int(p): int(v) for p, v in rep.versions.items()})
-            if len(versions) >= n:
-                return versions
-            if time.monotonic() > deadline:
-                raise BrokerError(f"{self.id}: syncers did not finish the final rounds in time")
-            self._drain_inbox(timeout_s=0.2)

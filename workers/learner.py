@@ -99,7 +99,7 @@ class Learner:
                          curve=cfg.curve, sign_key=cfg.sign_key),
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
-        self.island.stall_in_checkpoint = cfg.stall_in_checkpoint
+        self.island.checkpoints.stall_in = cfg.stall_in_checkpoint
         if cfg.poison:
             self.island.poison = (cfg.poison, cfg.poison_scale)
         self.data: Any = None  # `prepare`: after the metrics endpoint is up (it can take time)

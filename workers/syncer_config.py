@@ -36,7 +36,7 @@ class SyncerConfig:
     redis_url: str
     run: str
     syncer_id: str = "syncer-0"
-    fragments: tuple[int, ...] = ()          # owned fragments; empty: shared (`_rebalance`)
+    fragments: tuple[int, ...] = ()          # owned fragments; empty: shared (rebalanced)
     bind: str = "tcp://127.0.0.1:0"          # PUB bind address (port 0: any free port)
     advertise_host: str | None = None        # host learners connect to (default: bind host)
     max_rounds: int = 0                      # stop after this many rounds (0: until run ends)

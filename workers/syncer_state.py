@@ -1,18 +1,30 @@
-"""What a syncer keeps besides its fragments' algorithm state (`pipeline.syncer`): its
-counters, each owned fragment's bookkeeping of entries, acknowledgements, recent commits and
-checkpoints, and the payload digest its intake hashes entries by."""
+"""What a syncer keeps besides its fragments' algorithm state (`pipeline.syncer`): what its
+parts share (`SyncerShared`), its counters, each owned fragment's bookkeeping of entries,
+acknowledgements, recent commits and checkpoints, and the payload digest its intake hashes
+entries by."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from broker import codec
+from broker import codec, registry, signing
 from broker.entries import EntryMeta, payload_pieces, pieces_sha256
 from broker.errors import DecodeError
-from broker.streams import Entry
+from broker.pubsub import Publisher
+from broker.records import SyncerInfo
+from broker.streams import Entry, FragmentStreams
 from pipeline.downlink import full_value
+from pipeline.fragments import fragment_sizes
 from pipeline.syncer import FragmentSyncer
+from workers.common import RunContext
+from workers.syncer_config import SyncerConfig
+
+log = logging.getLogger("diloco.syncer")
 
 
 @dataclass
@@ -81,3 +93,73 @@ def payload_digest(e: Entry, limit: int) -> str | None:
     except DecodeError:
         return None
     return None if sum(map(len, parts)) > limit else pieces_sha256(parts)
+
+
+class SyncerShared:
+    """What the syncer's parts (intake, rounds, commits, ownership; `workers.syncer`) share:
+    the run, the fragment streams and publisher, the fragments this syncer serves, its
+    counters, and what it knows of the learners (refreshed by the loop)."""
+
+    def __init__(self, cfg: SyncerConfig, ctx: RunContext, pub: Publisher):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.run_cfg = ctx.cfg
+        self.sync = ctx.cfg.effective_sync()
+        self.bcfg = ctx.cfg.broker
+        self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries,
+                                       piece_bytes=self.bcfg.piece_bytes)
+        self.fenced = self.streams.state  # leases, commits, checkpoints (`broker.commit`)
+        self.pub = pub
+        self.verifier = signing.Verifier(cfg.sign_keys, heartbeat_max_age_s=(  # a replayed one
+            self.bcfg.heartbeat_ttl_s + signing.CLOCK_SKEW_S)) if cfg.sign_keys else None
+        # no fragment list: the fragments are shared with the run's other such syncers
+        # (`workers.syncer_ownership`); else exactly these, standing by while another holds them
+        self.auto = not cfg.fragments
+        self.sizes = dict(enumerate(fragment_sizes(ctx.shapes, ctx.fragments)))
+        self.owned: list[int] = []
+        self.frags: dict[int, FragState] = {}
+        self.stats = SyncerStats()
+        self.phase = "starting"  # → "standing by" (another syncer holds a lease) → "active"
+        self.last_tick = time.monotonic()  # the loop's last round (the liveness probe)
+        self.live: frozenset[str] = frozenset()   # learners with a fresh (verified) heartbeat
+        self.known: frozenset[str] = frozenset()  # learners with a heartbeat record
+        self.step_time_s = 1.0
+        # learner → the most tokens one of its steps may claim (its heartbeat's declaration)
+        self.declared: dict[str, int] = {}
+        # learner → the newest epoch of its entries seen: entries of older epochs are fenced
+        self.epochs: dict[str, int] = {}
+
+    def event(self, kind: str, **fields) -> None:
+        registry.event(self.ctx.r, self.ctx.keys, kind, **fields)
+
+    def shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: self.ctx.shapes[n] for n in self.ctx.fragments[p]}
+
+    def verified(self, reports: dict, kind: str) -> dict:
+        """With signed contributions on, the end-of-run reports signed by their learner's
+        key (a learner credential can write any field of the shared ``done`` hash)."""
+        if self.verifier is None:
+            return reports
+        return {n: rec for n, rec in reports.items()
+                if self.verifier.record_ok(self.ctx.keys.run, kind, n, rec)}
+
+    def forget(self, p: int, how: str) -> None:
+        """Stop serving fragment p at once (its lease is lost or released). Entries read and
+        not committed stay pending here; the next owner claims them when it adopts it."""
+        f = self.frags.pop(p)
+        self.owned.remove(p)
+        log.info("fragment %d: handed over at v%d (%s)", p, f.core.version, how)
+
+    def info(self) -> SyncerInfo:
+        """This syncer's registry record (`diloco status`, the dashboard, the metrics)."""
+        st = self.stats
+        return SyncerInfo(
+            endpoint=self.pub.endpoint, fragments=list(self.owned), pid=os.getpid(),
+            host=socket.gethostname(), rounds=st.rounds,
+            versions={str(p): f.core.version for p, f in self.frags.items()},
+            last_reason=st.last_reason, merged=st.merged, dropped=st.dropped,
+            dead_lettered=st.dead_lettered, quorum_wait_s=st.quorum_wait_s,
+            grace_wait_s=st.grace_wait_s, sync_time_s=max(
+                (f.core.sync_time_s for f in self.frags.values()), default=0.0),
+            signed=self.verifier is not None,
+            verified=sorted(self.known) if self.verifier is not None else [])

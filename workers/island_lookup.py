@@ -1,0 +1,77 @@
+"""The answer to `LearnerCore.merged_lookup` from Redis: was a push in flight merged though
+its value never came (a missed message)? Read on the training thread with a fail-fast client,
+only when a fragment's next push is due and its last one is still in flight."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import redis
+
+from broker import codec, pieces, registry
+from broker.connection import OUTAGE, quick
+from broker.errors import DecodeError
+from pipeline.learner import DEFER
+from workers.common import RunContext, decode_values
+from workers.learner_net import LearnerNet
+
+log = logging.getLogger("diloco.learner")
+
+
+class MergedLookup:
+    """`LearnerCore.merged_lookup` for one learner (see module docstring)."""
+
+    def __init__(self, ctx: RunContext, learner_id: str, net: LearnerNet):
+        self.ctx, self.id, self.net = ctx, learner_id, net
+        self._quick: redis.Redis | None = None  # fail-fast reads of the training loop
+
+    def close(self) -> None:
+        if self._quick is not None:
+            self._quick.close()
+
+    def __call__(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | str | None:
+        """Was fragment p's push in flight merged, though its value never came? Then that
+        version's value (or the latest, if Redis no longer keeps it) from its snapshot, for
+        `LearnerCore.rebase_merged`; None when it was not; `DEFER` when Redis cannot say now
+        (unreachable: the training loop must not wait on it, and pushing everything again
+        could repeat merged progress)."""
+        if self.net.redis_down:
+            return DEFER
+        fk = self.ctx.keys.fragment(p)
+        try:
+            if self._quick is None:  # a cluster client reads the slot map when it is built
+                self._quick = quick(self.ctx.r)
+            r = self._quick
+            rec = registry.merged(r, self.ctx.keys, self.id, p)
+            if rec is None or (rec.base_version, rec.step) != f.key:
+                return None
+            limit = self.ctx.cfg.broker.max_payload_bytes
+            blob = (pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
+                    or pieces.read(r, fk.global_, max_bytes=limit, what="snapshot"))
+            if blob is None:
+                return None
+            header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
+        except (redis.RedisError, *OUTAGE) as e:
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
+                        "pushing at the fragment's next turn", self.id, f.key[1], p, e)
+            return DEFER
+        except DecodeError as e:
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
+                        "pushing all its progress again", self.id, f.key[1], p, e)
+            return None
+        problem = self.net.check_value(header, tensors)
+        if problem or header.fragment != p or header.version < rec.version:
+            log.warning("%s: the snapshot of fragment %d is not usable (%s); pushing all "
+                        "the progress again", self.id, p, problem or "an older version")
+            return None
+        values = decode_values(tensors)
+        if not all(np.isfinite(v).all() for v in values.values()):
+            log.warning("%s: non-finite values in the snapshot of fragment %d", self.id, p)
+            return None
+        self.net.joined_at(p, header.version, values)
+        log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
+                 "rebased onto v%d, pushing only the progress since", self.id, f.key[1], p,
+                 rec.version, header.version)
+        return header.version, values

@@ -1,0 +1,135 @@
+"""The syncer's rounds: close a fragment's open round when it is due (quorum, grace window,
+final flush), have it committed (`workers.syncer_commits`), publish the merged value over
+ZeroMQ, and offer the entries that waited for it. A round whose merged value would not be
+finite is refused: its entries are acknowledged as drops and the fragment keeps its value."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from broker import codec
+from broker.records import Included, Merged, RoundRecord
+from pipeline.syncer import FINAL_FLUSH, FragmentSyncer, RoundRefused, RoundResult
+from workers.syncer_commits import Commits
+from workers.syncer_intake import Intake
+from workers.syncer_state import FragState, SyncerShared
+
+log = logging.getLogger("diloco.syncer")
+
+
+class Rounds:
+    """Close, commit, publish (see module docstring)."""
+
+    def __init__(self, sh: SyncerShared, intake: Intake, commits: Commits):
+        self.sh = sh
+        self.intake = intake
+        self.commits = commits
+
+    def maybe_close(self, p: int, final_expected: set[str] | None) -> bool:
+        """Close the fragment's open round if it is due. True when a round was closed (or
+        refused)."""
+        f = self.sh.frags[p]
+        if not f.core.contributors:
+            if f.ack_extra and not f.entries:
+                self.commit_drops_only(p)
+            return False
+        now = time.monotonic()
+        if final_expected is not None and final_expected <= f.final_seen:
+            reason = FINAL_FLUSH
+        else:
+            d = f.core.decide(now, f.core.counted(self.sh.live), self.sh.step_time_s)
+            if not d.close:
+                return False
+            reason = d.reason
+        try:
+            self._close(p, f, reason, now)
+        except RoundRefused as e:
+            self._refuse(p, f, e)
+        return True
+
+    def _refuse(self, p: int, f: FragState, e: RoundRefused) -> None:
+        """The merged value would not be finite: nothing is committed, the round's entries
+        are acknowledged as drops with the reason, the fragment keeps its value."""
+        log.error("%s; the round's entries are dropped", e)
+        self.sh.event("round-refused", fragment=p, version=f.core.version,
+                      entries=list(f.entries), reason=str(e))
+        self.sh.stats.dropped += len(f.entries)
+        for meta in f.entries.values():
+            self.intake.note_refused(meta.learner, p, meta.base_version, meta.step, str(e))
+        f.ack_extra.extend(f.entries)
+        f.entries = {}
+        self.commit_drops_only(p)
+
+    def commit_drops_only(self, p: int) -> None:
+        """Acknowledge refused entries when no round is open (their drop reasons are logged)."""
+        f = self.sh.frags[p]
+        for entry_id, reason in f.core.take_drops():
+            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason)
+        self.sh.streams.ack_only(p, f.ack_extra)
+        f.ack_extra = []
+
+    def _close(self, p: int, f: FragState, reason: str, now: float) -> None:
+        t0 = time.monotonic()
+        result = f.core.close(now, reason, f.core.round_share(len(f.core.counted(self.sh.live))))
+        self.sh.stats.commits += 1
+        self.sh.cfg.faults.at("before", self.sh.stats.commits)
+        record = self._record(result, t0)
+        snapshot = self.commits.snapshot(f.core)
+        acks = list(f.entries) + f.ack_extra
+        # each included learner's merge record, committed with the round: a learner that
+        # receives the value or reads its snapshot finds what it merged
+        merged = {n: Merged(f.entries[e].base_version, f.entries[e].step,
+                            result.version).to_json()
+                  for e, n, *_ in result.included if e in f.entries}
+        f.recent.append((record, acks, merged))
+        f.keep_snapshot(result.version, snapshot)
+        if not self.commits.commit(p, f, snapshot=snapshot, record=record.to_fields(),
+                                   acks=acks, merged=merged, checkpoint=(
+                                       reason == FINAL_FLUSH or self.commits.checkpoint_due(f))):
+            return
+        self.sh.cfg.faults.at("after", self.sh.stats.commits)
+        self.publish(p, f.core)
+        f.core.record_sync_time(time.monotonic() - t0)
+        self._count(result, record)
+        self.commits.trim(p, f)
+        f.entries, f.ack_extra = {}, []
+        deferred, f.deferred = f.deferred, []
+        for e in deferred:
+            self.intake.offer(e)
+
+    def _count(self, result: RoundResult, record: RoundRecord) -> None:
+        """A committed round's counters, log line and events."""
+        st, p, v = self.sh.stats, result.fragment, result.version
+        st.rounds += 1
+        st.merged += len(result.included)
+        st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
+        st.last_reason = result.reason
+        log.info("fragment %d v%d: %d merged, %d dropped (%s)", p, v, len(result.included),
+                 len(result.dropped), result.reason)
+        if result.clipped:
+            self.sh.event("clipped", fragment=p, version=v, entries=result.clipped,
+                          reason=f"norm above {self.sh.sync.guard_norm_k:g} × the recent median")
+        if result.outvoted:
+            log.warning("fragment %d v%d: %d contribution(s) left out of the robust merge "
+                        "(opposed the others): %s", p, v, len(result.outvoted),
+                        ", ".join(result.outvoted))
+            self.sh.event("outvoted", fragment=p, version=v, entries=result.outvoted,
+                          reason="direction opposed the consensus of the round's others")
+
+    def _record(self, r: RoundResult, t0: float) -> RoundRecord:
+        return RoundRecord(
+            version=r.version, fragment=r.fragment, reason=r.reason,
+            included=tuple(Included(*x) for x in r.included), dropped=tuple(r.dropped),
+            hash=r.sent_hash, tokens=r.tokens, steps=r.steps, scale=r.scale,
+            seconds=tuple(r.seconds),
+            quorum_wait_s=r.quorum_s - r.first_arrival_s,
+            grace_wait_s=max(0.0, r.closed_s - r.quorum_s),
+            merge_s=time.monotonic() - t0, syncer=self.sh.cfg.syncer_id, t=time.time())
+
+    def publish(self, p: int, core: FragmentSyncer) -> None:
+        """Publish the fragment's current value: whole, or a delta with the value's hash."""
+        delta = core.sync_cfg.down_delta
+        self.sh.pub.publish(codec.global_frames(self.sh.ctx.keys.run, p, core.version,
+                                                core.sent, base=core.sent_base,
+                                                value=core.sent_hash if delta else ""))

@@ -43,7 +43,7 @@ def test_three_learners_and_a_syncer_as_processes(tmp_path, redis_url):
     """Every value larger than 4 KiB — pushes, snapshots, states — goes in pieces."""
     cfg_path = write_config(tmp_path, learners=3, steps=60, broker={"piece_bytes": 4096})
     s = diloco("run", "--config", cfg_path, "--redis-url", redis_url, "--run", "e2e",
-               "--out", str(tmp_path / "runs"), "--json")
+               "--out", str(tmp_path / "runs"), "--json", "--tensorboard", str(tmp_path / "tb"))
     r = connect(redis_url)
     fk = RunKeys("e2e").fragment(0)
     assert r.type(fk.state) == r.type(fk.global_) == b"hash", r.type(fk.state)
@@ -64,6 +64,18 @@ def test_three_learners_and_a_syncer_as_processes(tmp_path, redis_url):
     assert s["merged_steps"] == [3 * 60, 3 * 60], s["merged_steps"]
     for name in ("config.toml", "metrics.jsonl", "loss.png", "checkpoint.npz", "summary.json"):
         assert (tmp_path / "runs" / "e2e" / name).exists(), name
+    # each process's own curves (`workers.scalars`), read back with TensorBoard's reader:
+    # a learner's against its step, to its last; the syncer's every round against its version
+    from test_tensorboard import _scalars
+
+    mine = _scalars(tmp_path / "tb" / "L0")
+    steps = [step for step, _ in mine["learner/tokens"]]
+    assert steps == sorted(steps) and mine["learner/tokens"][-1] == (60, 60 * 8 * 32)
+    assert "learner/loss" in mine and mine["learner/bytes_sent"][-1][1] > 0
+    rounds = _scalars(tmp_path / "tb" / "syncer-0")
+    versions = [[v for v, _ in rounds[f"fragment/{p}/merged"]] for p in (0, 1)]
+    assert all(vs == list(range(1, len(vs) + 1)) for vs in versions), versions
+    assert sum(map(len, versions)) == s["rounds"]
 
 
 DOWN_LINKS = {

@@ -57,6 +57,8 @@ REACHES: dict[str, tuple[str, ...]] = {
     "ops.bench.": ("process", "redis", "compiler"),
     "ops.cli.": ("process", "redis", "compiler"),
     "ops.sim.": ("process",),
+    "workers.scalars.WandbSink": ("process",),  # W&B's service process (and git)
+    "wandb.": ("process",),
     "workers.syncer.main": ("process", "redis", "compiler"),
     "workers.learner.main": ("process", "redis", "compiler"),
     # the compilers (the kernels' build, and asking a compiler its version)

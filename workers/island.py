@@ -49,6 +49,7 @@ from broker.entries import EntryMeta, entry_fields
 from broker.errors import BrokerError, Superseded
 from broker.records import Heartbeat, LearnerFinal
 from pipeline import tree
+from pipeline.config import to_dict
 from pipeline.contribution import poisoned
 from pipeline.learner import LearnerCore, Push
 from workers.common import (
@@ -62,6 +63,7 @@ from workers.island_config import IslandConfig, finite_or_none, shard_of
 from workers.island_final import final_flush
 from workers.island_lookup import MergedLookup
 from workers.learner_net import LearnerNet
+from workers.scalars import open_log
 
 log = logging.getLogger("diloco.learner")
 
@@ -140,6 +142,8 @@ class Island:
         self.checkpoints = Checkpoints(self.ctx, self.id, self.sync, self.state_dir,
                                        self._push_log)
         self.poison: tuple[str, float] | None = None  # fault injection: (kind, scale), _send
+        self.scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=self.id,
+                                group=self.ctx.keys.run, config=to_dict(self.run_cfg))
 
     # -- the caller's loop -----------------------------------------------------------------------
 
@@ -242,9 +246,11 @@ class Island:
         if now - self._t_rate >= 1.0:
             tps = (self.tokens_done - self._tok_rate) / (now - self._t_rate)
             self._t_rate, self._tok_rate = now, self.tokens_done
+            loss = finite_or_none(loss)
             self.net.report(step=self.step, tokens=self.tokens_done, tokens_per_s=tps,
                             step_s=self.step_s, versions=list(self.core.base_version),
-                            loss=finite_or_none(loss), **self._identity())
+                            loss=loss, **self._identity())
+            self._curves(loss=loss, tokens_per_s=tps, step_s=self.step_s)
         if self.state_dir is not None and self.step % self.every == 0:
             self._check_net()  # a superseded process writes no checkpoint
             self.checkpoints.write(step=self.step, tokens=self.tokens_done, core=self.core,
@@ -252,6 +258,13 @@ class Island:
         self._t_last = time.monotonic()
         self.sync_s += self._t_last - t_in
         return self._out(flat)
+
+    def _curves(self, **values: float | None) -> None:
+        """This island's curves at its step (`workers.scalars`: written off this thread)."""
+        if self.scalars is not None:
+            self.scalars.add("learner", self.step, {
+                **values, "tokens": self.tokens_done, "bytes_sent": self.net.stats.bytes_sent,
+                "bytes_received": self.net.bytes_received}, t=time.time())
 
     def _identity(self) -> dict:
         """What every heartbeat says about this island."""
@@ -268,6 +281,7 @@ class Island:
         if params is not None:
             self._params = self._flat(params)
         self.report = final_flush(self)
+        self._curves(sync_s=self.sync_s)
         return self._out(self._params)
 
     def close(self) -> None:
@@ -278,6 +292,8 @@ class Island:
         self._closed = True
         started = self.net.is_alive() or self.net.ident is not None
         self.checkpoints.close()
+        if self.scalars is not None:
+            self.scalars.close()
         try:
             if started:
                 self.net.close()

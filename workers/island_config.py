@@ -36,6 +36,10 @@ class IslandConfig:
     curve: CurveClient | None = None
     # signed contributions: this learner's signing key (broker/signing.py; None: unsigned)
     sign_key: bytes | None = None
+    # this island's curves (`workers.scalars`): TensorBoard event files in this folder, and a
+    # W&B run named by the learner id in the run's group
+    tensorboard: str | None = None
+    wandb: bool = False
 
 
 def finite_or_none(x: Any) -> float | None:

@@ -31,7 +31,7 @@ from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
 from pipeline.train import make_step
-from workers import native
+from workers import native, scalars
 from workers.common import (
     RunContext,
     add_redis_args,
@@ -77,6 +77,8 @@ class LearnerConfig:
     devices: int = 1               # local devices of this learner's island (0: all)
     fsdp: bool = False             # shard parameters and optimizer state over the island
     standby: str = ""              # a warm spare: get ready, join once this file exists
+    tensorboard: str | None = None  # this learner's curves as event files here (--tensorboard)
+    wandb: bool = False            # and as a W&B run (--wandb)
 
 
 class Learner:
@@ -96,7 +98,8 @@ class Learner:
             IslandConfig(cfg.redis_url, cfg.run, cfg.learner_id, cfg.shard, cfg.task, cfg.sync,
                          cfg.wait_config_s, cfg.final_timeout_s, cfg.state_dir,
                          cfg.checkpoint_every, cfg.sub_endpoints, devices=n_dev,
-                         curve=cfg.curve, sign_key=cfg.sign_key),
+                         curve=cfg.curve, sign_key=cfg.sign_key, tensorboard=cfg.tensorboard,
+                         wandb=cfg.wandb),
             ctx=ctx, zctx=zctx, place=self.placement.params if self.placement else None)
         self.id = cfg.learner_id
         self.island.checkpoints.stall_in = cfg.stall_in_checkpoint
@@ -334,6 +337,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="local devices of this learner's island, data parallel (0: all)")
     ap.add_argument("--fsdp", action="store_true",
                     help="shard parameters and optimizer state over the island's devices")
+    scalars.add_args(ap)
     ap.add_argument("--standby", metavar="FILE", default="",
                     help="a warm spare for --id: start, load the data and compile the step, "
                          "write FILE.ready, then wait (touching nothing in the run) until FILE "
@@ -358,6 +362,8 @@ def _sign_key(path: str | None) -> bytes | None:
 
 
 def config_from_args(a: argparse.Namespace) -> LearnerConfig:
+    if missing := scalars.missing_extra(a.tensorboard, a.wandb):
+        usage_error(missing)
     require_security(a.redis_url, curve=bool(a.curve_secret), signed=bool(a.sign_key),
                      insecure=a.insecure or a.no_sync)
     return LearnerConfig(a.redis_url, a.run, a.id, a.shard, a.pace_s, a.delay_s,
@@ -369,7 +375,8 @@ def config_from_args(a: argparse.Namespace) -> LearnerConfig:
                          fsdp=a.fsdp, stall_in_checkpoint=a.stall_in_checkpoint,
                          poison=a.poison, poison_scale=a.poison_scale,
                          curve=curve_client(a.curve_secret, a.curve_server_key),
-                         sign_key=_sign_key(a.sign_key), standby=a.standby)
+                         sign_key=_sign_key(a.sign_key), standby=a.standby,
+                         tensorboard=a.tensorboard, wandb=a.wandb)
 
 
 if __name__ == "__main__":

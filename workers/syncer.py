@@ -248,6 +248,8 @@ def main(cfg: SyncerConfig) -> int:
         return s.run_forever()
     finally:
         s.pub.close()
+        if s.sh.scalars is not None:
+            s.sh.scalars.close()
         try:
             for p in s.owned:
                 s.sh.fenced.release_lease(p, cfg.syncer_id)

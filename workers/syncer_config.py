@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from broker.pubsub import CurveServer
+from workers import scalars
 from workers.common import add_redis_args, add_role_args, require_security, usage_error
 
 
@@ -53,6 +54,8 @@ class SyncerConfig:
     # the user task this process may import: only to initialise a fragment that has no state
     # yet (shapes come from the run's stored spec otherwise); never its data
     task: str | None = None
+    tensorboard: str | None = None           # this syncer's curves as event files here
+    wandb: bool = False                      # and as a W&B run
 
 
 def _threads_arg(text: str) -> int:
@@ -97,6 +100,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sign-keys", metavar="DIR",
                     help="require signed contributions: folder of the learners' signing keys "
                          "(signers/ID.sign from diloco keys); anything else is dead-lettered")
+    scalars.add_args(ap)
     # fault injection (CommitFaults): the chaos harness and the recovery tests only
     ap.add_argument("--fail-before-commit", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fail-after-commit", type=int, default=0, help=argparse.SUPPRESS)
@@ -110,6 +114,8 @@ def curve_server(secret: str | None, allow: str | None) -> CurveServer | None:
 
 
 def config_from_args(a: argparse.Namespace) -> SyncerConfig:
+    if missing := scalars.missing_extra(a.tensorboard, a.wandb):
+        usage_error(missing)
     require_security(a.redis_url, curve=bool(a.curve_secret), signed=bool(a.sign_keys),
                      insecure=a.insecure, bind=a.bind)
     frags = tuple(int(x) for x in a.fragments.split(",") if x.strip())
@@ -117,4 +123,5 @@ def config_from_args(a: argparse.Namespace) -> SyncerConfig:
                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                         faults=CommitFaults(a.fail_before_commit, a.fail_after_commit),
                         task=a.task, curve=curve_server(a.curve_secret, a.curve_allow),
-                        sign_keys=a.sign_keys, merge_threads=a.merge_threads)
+                        sign_keys=a.sign_keys, merge_threads=a.merge_threads,
+                        tensorboard=a.tensorboard, wandb=a.wandb)

@@ -105,6 +105,12 @@ class Rounds:
         st.merged += len(result.included)
         st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
         st.last_reason = result.reason
+        if self.sh.scalars is not None:  # written off this thread
+            self.sh.scalars.add(f"fragment/{p}", v, {
+                "merged": len(result.included), "dropped": len(result.dropped),
+                "tokens": result.tokens, "merge_s": record.merge_s,
+                "quorum_wait_s": record.quorum_wait_s, "grace_wait_s": record.grace_wait_s,
+                "live_learners": len(self.sh.live)}, t=record.t)
         log.info("fragment %d v%d: %d merged, %d dropped (%s)", p, v, len(result.included),
                  len(result.dropped), result.reason)
         if result.clipped:

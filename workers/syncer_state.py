@@ -18,10 +18,12 @@ from broker.errors import DecodeError
 from broker.pubsub import Publisher
 from broker.records import SyncerInfo
 from broker.streams import Entry, FragmentStreams
+from pipeline.config import to_dict
 from pipeline.downlink import full_value
 from pipeline.fragments import fragment_sizes
 from pipeline.syncer import FragmentSyncer
 from workers.common import RunContext
+from workers.scalars import open_log
 from workers.syncer_config import SyncerConfig
 
 log = logging.getLogger("diloco.syncer")
@@ -128,6 +130,10 @@ class SyncerShared:
         self.declared: dict[str, int] = {}
         # learner → the newest epoch of its entries seen: entries of older epochs are fenced
         self.epochs: dict[str, int] = {}
+        # its curves (`workers.scalars`; None: not asked for)
+        self.scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=cfg.syncer_id,
+                                group=ctx.keys.run, config=to_dict(ctx.cfg),
+                                axes={"fragment": "version"})
 
     def event(self, kind: str, **fields) -> None:
         registry.event(self.ctx.r, self.ctx.keys, kind, **fields)

@@ -38,8 +38,9 @@ class Launcher:
 
     def __init__(self, cfg: RunConfig, run: str, redis_url: str, run_dir: Path, *,
                  learner_args: list[str] | None = None, eval_every_s: float = 15.0,
-                 pin_learners: bool = False):
+                 pin_learners: bool = False, tensorboard: str | Path | None = None):
         self.cfg = cfg
+        self.tensorboard = tensorboard  # each process writes its curves in a folder here
         self.run_dir = run_dir
         self.learner_args = learner_args or []
         self.pin_learners = pin_learners  # learner m on the m-th core this process may use
@@ -48,15 +49,20 @@ class Launcher:
         self.history: list[dict] = []
 
     def start(self) -> None:
-        self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run, cfg=self.cfg))
+        self.sup.spawn("syncer", role_cmd("syncer", self.sup.url, self.sup.run,
+                                          *self._curves("syncer-0"), cfg=self.cfg))
         cores = sorted(os.sched_getaffinity(0)) if self.pin_learners else []
         for m in range(self.cfg.learners):
             self.sup.spawn(f"L{m}", role_cmd("learner", self.sup.url, self.sup.run,
-                                             "--id", f"L{m}", *self.learner_args, cfg=self.cfg))
+                                             "--id", f"L{m}", *self.learner_args,
+                                             *self._curves(f"L{m}"), cfg=self.cfg))
             if self.pin_learners:
                 # set as the interpreter starts, before JAX starts its threads (they inherit
                 # it); a learner restarted later by the supervisor is not pinned
                 os.sched_setaffinity(self.sup.procs[f"L{m}"].pid, {cores[m % len(cores)]})
+
+    def _curves(self, name: str) -> list[str]:
+        return ["--tensorboard", str(Path(self.tensorboard) / name)] if self.tensorboard else []
 
     def evaluate(self, corpus: Data, log: artifacts.MetricsLog, t0: float) -> dict | None:
         try:
@@ -161,7 +167,8 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         pace_s: Pace every learner's inner step to this wall time (0: as fast as it goes).
         progress: Called about once a second with the launcher and the seconds since start.
         pin_learners: Pin learner m to the m-th core of this process's (round robin).
-        tensorboard: Also write the metrics as TensorBoard event files in this folder.
+        tensorboard: Also write the metrics as TensorBoard event files in this folder, and
+            each process its own curves in a folder under it named by its id.
         wandb: Also log them to a W&B run named `run_name` (in the run folder).
 
     Raises:
@@ -184,7 +191,7 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
                                    (run_name, cfg) if wandb else None)
         la = Launcher(cfg, run_name, url, run_dir,
                       learner_args=["--pace-s", str(pace_s)] if pace_s else [],
-                      pin_learners=pin_learners)
+                      pin_learners=pin_learners, tensorboard=tensorboard)
         corpus = la.sup.task.data()
         initial = la.sup.evaluate_params(la.sup.task.init_params(cfg.seed),
                                          corpus)["eval_loss"]

@@ -5,6 +5,7 @@ launcher's loop, never a training thread) and `diloco tensorboard RUN_DIR` (afte
 the file, for any run folder: distributed, in-process, chaos) give the same curves. `diloco run
 --wandb` logs the same scalars to Weights & Biases (`WandbLog`, the ``[wandb]`` extra), each
 family against its own axis (``eval/tokens``, ``learner/<id>/step``, ``fragment/<p>/version``).
+The sinks are `workers.scalars`'s, which the learners and syncers write their own curves with.
 
 Scalars (the step axis in brackets):
 
@@ -23,18 +24,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-TENSORBOARD_EXTRA = "TensorBoard event files need its extra: pip install " \
-                    "'decoupled-diloco[tensorboard]'"
+# the extras' messages, re-exported for the command line
+from workers.scalars import (  # noqa: F401
+    TENSORBOARD_EXTRA,
+    WANDB_EXTRA,
+    TensorBoardSink,
+    WandbSink,
+)
+
 _MAX_LINE = 16 * 2**20  # a metrics line longer than this is skipped, not parsed
-
-
-def _writer(out: Path):
-    try:
-        from tensorboard.summary import Writer
-    except ImportError as e:
-        raise ValueError(TENSORBOARD_EXTRA) from e
-    out.mkdir(parents=True, exist_ok=True)
-    return Writer(str(out))
 
 
 def _number(v: Any) -> float | None:
@@ -86,59 +84,31 @@ class TensorBoardLog:
     """Scalars of metrics records into event files under `out`."""
 
     def __init__(self, out: str | Path):
-        self._w = _writer(Path(out))
+        self._sink = TensorBoardSink(out)
 
     def write(self, kind: str, rec: Mapping[str, Any]) -> None:
         t = _number(rec.get("t"))
-        for tag, x, step in scalars(kind, rec):
-            self._w.add_scalar(tag, x, step, wall_time=t)
-        self._w.flush()
+        self._sink.write([(tag, x, step, t) for tag, x, step in scalars(kind, rec)])
 
     def close(self) -> None:
-        self._w.close()
-
-
-WANDB_EXTRA = "W&B logging needs its extra: pip install 'decoupled-diloco[wandb]'"
-_AXIS = {"eval": "tokens", "learner": "step", "fragment": "version"}  # a family's x-axis
+        self._sink.close()
 
 
 class WandbLog:
-    """The scalars of metrics records logged to a W&B run (`wandb.init` in `out`; W&B's own
-    settings apply: ``WANDB_MODE=offline`` keeps the run on disk, online needs the user's
-    key, ``WANDB_PROJECT`` names the project, default ``diloco``)."""
+    """The scalars of metrics records logged to a W&B run (`workers.scalars.WandbSink`, its
+    files in `out`), each family against its own axis."""
 
     def __init__(self, name: str, config: Mapping[str, Any], out: str | Path):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ValueError(WANDB_EXTRA) from e
-        import os
-
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "diloco"), name=name,
-                               config=dict(config), dir=str(out))
-        self._axes: set[str] = set()
+        self._sink = WandbSink(name, config, out, group=name, axes=_AXIS)
 
     def write(self, kind: str, rec: Mapping[str, Any]) -> None:
-        rows: dict[str, dict[str, float]] = {}
-        for tag, x, step in scalars(kind, rec):
-            family, _, _ = tag.rpartition("/")
-            if tag.startswith("summary/"):
-                self._run.summary[tag] = x
-                continue
-            axis = f"{family}/{_AXIS.get(tag.split('/', 1)[0], 'step')}"
-            rows.setdefault(axis, {axis: step})[tag] = x
-        for axis, row in rows.items():
-            if axis not in self._axes:
-                self._run.define_metric(axis)
-                self._run.define_metric(f"{axis.rpartition('/')[0]}/*", step_metric=axis)
-                self._axes.add(axis)
-            self._run.log(row)
+        self._sink.write([(tag, x, step, None) for tag, x, step in scalars(kind, rec)])
 
     def close(self) -> None:
-        import wandb
+        self._sink.close()
 
-        self._run.finish()
-        wandb.teardown()  # its service process ends with the run, not at interpreter exit
+
+_AXIS = {"eval": "tokens", "learner": "step", "fragment": "version"}  # a family's x-axis
 
 
 def convert(run_dir: str | Path, out: str | Path) -> int:

@@ -34,6 +34,7 @@ from broker.untrusted import (
     M_INT,
     M_NIL,
     MBin,
+    MDict,
     MList,
     MMap,
     MOneOf,
@@ -47,6 +48,7 @@ from broker.untrusted import (
     unpack_checked,
 )
 from broker.untrusted import short_repr as _r
+from pipeline import limits
 from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
 from pipeline.quant import CODECS, QTensor, data_nbytes, num_blocks
 
@@ -86,6 +88,9 @@ class GlobalHeader:
     # (`pipeline.quant.tensors_hash` of it in fp32); "" when not sent
     base: int = -1
     value: str = ""
+    # the round's merge records (a published message only, not a re-publish or snapshot):
+    # learner → (base version, step) of its push this round merged; None: not carried
+    merged: Mapping[str, tuple[int, int]] | None = None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -115,7 +120,9 @@ _HEADER_SCHEMA = MMap({
     "names": MList(MStr(_MAX_NAME), _MAX_TENSORS), "codecs": MList(_CODEC_NAME, _MAX_TENSORS),
     "shapes": MList(_SHAPE, _MAX_TENSORS), "blocks": MList(M_INT, _MAX_TENSORS),
     "sha256": MStr(64),
-}, optional={"base": M_INT, "value": MStr(64)}, same_len=("names", "codecs", "shapes", "blocks"))
+}, optional={"base": M_INT, "value": MStr(64), "merged": MDict(
+    limits.MAX_LEARNER_ID, MTuple(M_INT, M_INT), limits.MAX_LEARNERS)},
+    same_len=("names", "codecs", "shapes", "blocks"))
 # pack_snapshot: {"h": header, "t": [data_0, scales_0?, data_1, ...]}
 _SNAPSHOT_SCHEMA = MMap({"h": _HEADER_SCHEMA, "t": MList(MBin(), 2 * _MAX_TENSORS)})
 
@@ -285,7 +292,7 @@ def topic(fragment: int) -> bytes:
 
 def _global_parts(
     run: str, fragment: int, version: int, tensors: Mapping[str, QTensor],
-    base: int = -1, value: str = "",
+    base: int = -1, value: str = "", merged: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[dict[str, Any], list[memoryview]]:
     """The header dict and the tensor buffers (data, then scales if any, per tensor)."""
     topic(fragment)
@@ -319,13 +326,28 @@ def _global_parts(
     }
     if value:
         header.update(base=int(base), value=value)
+    if merged is not None:
+        header["merged"] = {n: [int(b), int(s)] for n, (b, s) in merged.items()}
+        _merged_of(header["merged"], version, ValueError)
     return header, bufs
 
 
+def _merged_of(raw: dict, version: int, error: type[Exception]) -> dict[str, tuple[int, int]]:
+    """A header's merge records, checked (learner ids, base versions below the version)."""
+    for n, (b, s) in raw.items():
+        if not (isinstance(n, str) and 0 < len(n.encode()) <= limits.MAX_LEARNER_ID
+                and is_int(b) and is_int(s)):
+            raise error(f"bad merge record {_r(n)}")
+        if not 0 <= b < version or not 0 <= s < 2**62:
+            raise error(f"merge record of {_r(n)}: base {_r(b)}, step {_r(s)} (version {version})")
+    return {n: (int(b), int(s)) for n, (b, s) in raw.items()}
+
+
 def _parse_header(raw: object) -> GlobalHeader:
-    if not isinstance(raw, dict) or set(raw) not in (_HEADER_KEYS, _DELTA_HEADER_KEYS):
+    if not isinstance(raw, dict) or set(raw) - {"merged"} not in (_HEADER_KEYS,
+                                                                   _DELTA_HEADER_KEYS):
         raise DecodeError(f"global header must be a map with keys {sorted(_HEADER_KEYS)} "
-                          f"(and base with value, or neither)")
+                          f"(and base with value, or neither; merged optional)")
     if not is_int(raw["v"]) or raw["v"] != WIRE_VERSION:
         raise DecodeError(f"unsupported wire version {_r(raw['v'])}")
     run, fragment, version, sha = raw["run"], raw["fragment"], raw["version"], raw["sha256"]
@@ -356,9 +378,10 @@ def _parse_header(raw: object) -> GlobalHeader:
             raise DecodeError(f"bad base {_r(base)} for version {version}")
         if not isinstance(value, str) or not _SHA_RE.fullmatch(value):
             raise DecodeError("value must be 64 lowercase hex digits")
+    merged = raw.get("merged")
     return GlobalHeader(
         run, fragment, version, tuple(names), tuple(codecs), shapes_t, tuple(blocks), sha,
-        int(base), value
+        int(base), value, None if merged is None else _merged_of(merged, version, DecodeError)
     )
 
 
@@ -382,7 +405,7 @@ def _tensors_from(header: GlobalHeader, bufs: Sequence[Any]) -> dict[str, QTenso
 
 def global_frames(
     run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
-    base: int = -1, value: str = "",
+    base: int = -1, value: str = "", merged: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[bytes | memoryview]:
     """Build the ZeroMQ multipart message of a merged fragment value.
 
@@ -398,11 +421,13 @@ def global_frames(
         tensors: Name -> quantised tensor.
         base: The delta down link: `tensors` are a delta against this version (-1: whole).
         value: The SHA-256 of the value learners hold afterwards (required with a base).
+        merged: The round's merge records (learner → base version and step of its push the
+            round merged): a learner then needs no Redis read to learn what the value holds.
 
     Raises:
         ValueError: On invalid arguments or inconsistent tensors.
     """
-    header, bufs = _global_parts(run, fragment, version, tensors, base, value)
+    header, bufs = _global_parts(run, fragment, version, tensors, base, value, merged)
     return [topic(fragment), msgpack.packb(header, use_bin_type=True), *bufs]
 
 

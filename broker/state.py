@@ -29,7 +29,7 @@ from broker.untrusted import (
     MTuple,
     unpack_checked,
 )
-from pipeline.limits import MAX_FRAGMENT, MAX_NAME, MAX_NDIM, MAX_TENSORS
+from pipeline.limits import MAX_FRAGMENT, MAX_LEARNER_ID, MAX_NAME, MAX_NDIM, MAX_TENSORS
 
 _DTYPES = {"<f4", "<f8", "<i4", "<i8"}
 _F32 = "<f4"
@@ -41,7 +41,7 @@ _MAX_INT = 2**63 - 1
 _MAX_HISTORY = 4096
 _MAX_SEEN = 2**20
 _MAX_NORMS = 4096
-_MAX_LEARNER = 1024
+_MAX_LEARNER = MAX_LEARNER_ID
 
 _ND = MMap({"__nd__": MTuple(MStr(8, _DTYPES), MList(M_INT, _MAX_NDIM), MBin())})
 _TENSORS = MDict(_MAX_NAME, _ND, _MAX_TENSORS)

@@ -577,3 +577,67 @@ def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_
     finally:
         net.sub.close()
         zctx.term()
+
+
+def test_a_published_value_carries_its_rounds_merge_records(redis_url):
+    """A learner learns which of its pushes a published value holds from the message itself:
+    after its first value (read once from Redis), every value that follows the one before
+    says it with no Redis read — its own push merged, or none of its pushes this round (the
+    record stays the one before). A missed value, or one without records (a re-publish),
+    is read again. Records that do not fit the message are refused."""
+    import zmq
+
+    from broker.records import Merged
+    from broker.streams import FragmentStreams
+    from workers.learner_net import LearnerNet
+
+    r = connect(redis_url)
+    store_run(r, "carried", tiny_config(sync={"apply": "rebase"}))
+    ctx = open_run(redis_url, "carried", wait_s=0)
+    p = 0
+    shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
+    plain = SyncConfig(quorum=1, grace_max_s=0.0, guard=False)
+    s = FragmentSyncer(p, _theta(shapes), OuterConfig(), plain, is_embedding=is_embedding)
+    fs = FragmentStreams(r, ctx.keys)
+    assert fs.state.acquire_lease(p, "S", 10_000)
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx)
+    rounds = ({"L1": (0, 4)}, {"L0": (0, 7), "L1": (1, 8)}, {"L1": (2, 9)}, None,
+              {"L0": (3, 12)}, {"L1": (5, 13)})
+    want = [None, (0, 7, 2), (0, 7, 2), (0, 7, 2), (3, 12, 5), (3, 12, 5)]
+    try:
+        net.joined_at(p, 0, dict(s.sent_values))
+        got, reads = [], []
+        for i, pushes in enumerate(rounds):
+            _round(s, i)
+            fs.state.commit_round(
+                p, "S", state=None, version=s.version, record={"version": s.version},
+                snapshot=codec.pack_snapshot("carried", p, s.version, s.snapshot_tensors),
+                ack_ids=[], merged={n: Merged(b, st, s.version).to_json()
+                                    for n, (b, st) in (pushes or {}).items()})
+            if i == 4:
+                continue  # this value never reaches the learner: the next one is read again
+            frames = codec.global_frames("carried", p, s.version, s.sent, merged=pushes)
+            header, tensors = codec.parse_global_frames(frames)
+            assert header.merged == pushes
+            net._deliver(header, tensors)
+            got.append(net.inbox.get_nowait()[3])
+            reads.append(net.stats.merge_reads)
+        assert got == [want[i] for i in (0, 1, 2, 3, 5)]
+        # read: the first value, the re-publish without records (v4), the one after the gap
+        assert reads == [1, 1, 1, 2, 3]
+    finally:
+        net.sub.close()
+        zctx.term()
+    with pytest.raises(ValueError, match="merge record"):
+        codec.global_frames("carried", p, 3, s.sent, merged={"L0": (3, 1)})  # base ≥ version
+    import msgpack
+
+    frames = codec.global_frames("carried", p, 3, s.sent, merged={"L0": (2, 1)})
+    header = msgpack.unpackb(frames[1])
+    for bad in ({"L0": [3, 1]}, {"L0": [-1, 1]}, {"L0": [0, -1]}, {"": [0, 1]},
+                {"L0": [0]}, {"L0": [0, 1, 2]}, {"L0": ["0", 1]}, {"L0": [0, 1.5]},
+                {"x" * 1025: [0, 1]}, [["L0", 0, 1]], {"L0": [0, 2**63]}):
+        frames[1] = msgpack.packb({**header, "merged": bad})
+        with pytest.raises(DecodeError):
+            codec.parse_global_frames(frames)

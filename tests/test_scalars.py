@@ -94,3 +94,9 @@ def test_a_processs_wandb_run_holds_its_curves_against_their_own_axes(tmp_path, 
     assert [(r["fragment/1/version"], r["fragment/1/merged"]) for r in rows] == [
         (1, 2), (2, 1), (3, 2)]
     assert _scalars(tmp_path / "syncer-0")["fragment/1/merged"][-1] == (3, 2.0)
+
+
+def test_a_folder_that_cannot_be_had_is_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="TensorBoard event files cannot go in"):
+        open_log(str(tmp_path / "file" / "tb"))

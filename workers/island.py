@@ -85,6 +85,10 @@ class Island:
                  zctx: zmq.Context | None = None, place: Placer | None = None):
         self.cfg = cfg
         self.ctx = ctx or open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task)
+        # its curves (`workers.scalars`), first: a folder or a W&B run that cannot be had is
+        # refused (ValueError) before any socket or thread exists
+        self.scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=cfg.learner_id,
+                                group=self.ctx.keys.run, config=to_dict(self.ctx.cfg))
         self._own_zctx = zctx is None
         self.zctx = zctx or zmq.Context()
         self.run_cfg = self.ctx.cfg
@@ -142,8 +146,6 @@ class Island:
         self.checkpoints = Checkpoints(self.ctx, self.id, self.sync, self.state_dir,
                                        self._push_log)
         self.poison: tuple[str, float] | None = None  # fault injection: (kind, scale), _send
-        self.scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=self.id,
-                                group=self.ctx.keys.run, config=to_dict(self.run_cfg))
 
     # -- the caller's loop -----------------------------------------------------------------------
 
@@ -292,8 +294,6 @@ class Island:
         self._closed = True
         started = self.net.is_alive() or self.net.ident is not None
         self.checkpoints.close()
-        if self.scalars is not None:
-            self.scalars.close()
         try:
             if started:
                 self.net.close()
@@ -311,6 +311,8 @@ class Island:
                 self._lookup.close()
                 if self._own_zctx:
                     self.zctx.term()
+                if self.scalars is not None:  # last: the run is left already
+                    self.scalars.close()
 
     def __enter__(self) -> Island:
         return self

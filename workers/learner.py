@@ -145,7 +145,8 @@ class Learner:
         flat = self.island._place({k: np.zeros(shape, np.float32)
                                    for k, shape in self.ctx.shapes.items()})
         fresh = self._init_opt(flat)
-        # the checkpoint's leaves are put where the fresh state's are (Island._restore_opt)
+        # the checkpoint's leaves are put where the fresh state's are
+        # (`workers.island_checkpoint.restore_opt`)
         restored = jax.tree_util.tree_map(
             lambda x: jax.device_put(np.asarray(x), getattr(x, "sharding", None)), fresh)
         batch = self._batch(0)
@@ -204,7 +205,12 @@ def main(cfg: LearnerConfig) -> int:
                    need_code=True)
     marks["run_opened_at_s"] = process_age_s()
     zctx = zmq.Context()
-    learner = Learner(cfg, ctx, zctx)
+    try:
+        learner = Learner(cfg, ctx, zctx)
+    except ValueError as e:  # a setting this process cannot have: one line, no traceback
+        log.error("%s: %s", cfg.learner_id, e)
+        zctx.term()
+        return 2
     learner.island.startup.update(marks)
     if cfg.standby:
         took = False

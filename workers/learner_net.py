@@ -64,6 +64,7 @@ class NetStats:
     repushed: int = 0
     zmq_gaps: int = 0
     deltas_held: int = 0  # delta values that arrived before their base (resolved by snapshot)
+    merge_reads: int = 0  # merge records read from Redis (a join, a missed message, a snapshot)
     redis_down_s: float = 0.0
 
 
@@ -107,6 +108,8 @@ class LearnerNet(threading.Thread):
         # the "rebase" apply rule needs to know which of this learner's pushes a value holds
         self._rebase = ctx.cfg.effective_sync().apply == "rebase"
         self._held: dict[int, dict[int, tuple]] = {}  # fragment → version → (header, tensors)
+        # fragment → (version, this learner's last merged push as of that value)
+        self._merged: dict[int, tuple[int, tuple[int, int, int] | None]] = {}
         self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
         self._acked_log = open(acked_log, "a", buffering=1) if acked_log else None
         self._sub_endpoints = list(sub_endpoints)
@@ -325,11 +328,33 @@ class LearnerNet(threading.Thread):
         if not self._rebase or self.redis_down:
             return UNKNOWN
         try:
+            self.stats.merge_reads += 1
             rec = registry.merged(self.ctx.r, self.ctx.keys, self.id, p)
         except (*OUTAGE, redis.RedisError) as e:
             log.warning("%s: could not read the merge record of fragment %d (%s)", self.id, p, e)
             return UNKNOWN
         return None if rec is None else (rec.base_version, rec.step, rec.version)
+
+    def _merged_as_of(self, header) -> tuple[int, int, int] | str | None:
+        """This learner's last merged push of the value's fragment, at least as new as the
+        value. A published message carries its round's merge records: following the value
+        whose record this thread knows, it says the record without a Redis read. Otherwise
+        (the first value, a missed one, a re-publish, a snapshot) it is read after the value:
+        the syncer commits a round's records with its value, so the record read is at least
+        as new as the value."""
+        p, v = header.fragment, header.version
+        known = self._merged.get(p)
+        if header.merged is not None and known is not None and known[0] == v - 1:
+            rec, mine = known[1], header.merged.get(self.id)
+            if mine is not None and (rec is None or rec[2] < v):
+                rec = (*mine, v)
+        else:
+            rec = self._merged_push(p)
+        if rec == UNKNOWN:
+            self._merged.pop(p, None)
+        else:
+            self._merged[p] = (v, rec)
+        return rec
 
     def _receive(self, timeout_ms: int) -> None:
         errors = self.sub.decode_errors
@@ -372,9 +397,7 @@ class LearnerNet(threading.Thread):
             if self._delta:  # the trainer gets a copy: the reference stays what was decoded
                 self._ref[p] = values
                 values = {k: v.copy() for k, v in values.items()}
-        # read after the value: the syncer commits a round's merge records with its value, so
-        # the record is at least as new as the value, whether message or snapshot
-        self.inbox.put((p, version, values, self._merged_push(p)))
+        self.inbox.put((p, version, values, self._merged_as_of(header)))
         held = self._held.get(p)
         if held:
             for v in [v for v in held if v <= version]:

@@ -46,8 +46,11 @@ def event_writer(out: str | Path):
         from tensorboard.summary import Writer
     except ImportError as e:
         raise ValueError(TENSORBOARD_EXTRA) from e
-    Path(out).mkdir(parents=True, exist_ok=True)
-    return Writer(str(out))
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        return Writer(str(out))
+    except OSError as e:
+        raise ValueError(f"TensorBoard event files cannot go in {out}: {e}") from e
 
 
 class TensorBoardSink:
@@ -75,9 +78,16 @@ class WandbSink:
             import wandb
         except ImportError as e:
             raise ValueError(WANDB_EXTRA) from e
-        Path(out).mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "diloco"), name=name,
-                               group=group, config=dict(config), dir=str(out))
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            # a run of its own, also beside another sink of this process (W&B's default
+            # would hand back the process's first run)
+            self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "diloco"),
+                                   name=name, group=group, config=dict(config), dir=str(out),
+                                   reinit="create_new")
+        except Exception as e:  # noqa: BLE001 - W&B raises its own kinds (no key, no network)
+            raise ValueError(f"W&B run {name!r} cannot start: {type(e).__name__}: {e}") from e
+        WandbSink._open += 1
         self._axes_of = dict(axes or {})
         self._axes: set[str] = set()
 
@@ -97,11 +107,15 @@ class WandbSink:
                 self._axes.add(axis)
             self._run.log(row)
 
+    _open = 0  # W&B runs of this process not finished yet
+
     def close(self) -> None:
         import wandb
 
         self._run.finish()
-        wandb.teardown()  # its service process ends with the run, not at interpreter exit
+        WandbSink._open -= 1
+        if not WandbSink._open:  # its service process ends with the last run, not at exit
+            wandb.teardown()
 
 
 class ScalarLog:
@@ -111,6 +125,7 @@ class ScalarLog:
         self.sinks = sinks
         self.dropped = 0  # rows dropped because the queue was full (a sink slower than the loop)
         self._q: queue.Queue = queue.Queue(maxsize=max_rows)
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scalars", daemon=True)
         self._thread.start()
 
@@ -127,9 +142,19 @@ class ScalarLog:
                 self.dropped += len(rows)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued, then close the sinks."""
-        self._q.put(None)
+        """Write what is queued (for at most `timeout_s`), then close the sinks. A sink still
+        writing then (a stalled disk) is left to its thread, which is a daemon: its rows are
+        given up, and nothing here waits for it."""
+        self._stop.set()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass  # the thread sees the stop once the queue is drained
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("curves: a sink is still writing after %.0f s; %d queued rows given "
+                        "up", timeout_s, self._q.qsize())
+            return
         for sink in self.sinks:
             try:
                 sink.close()
@@ -138,7 +163,12 @@ class ScalarLog:
 
     def _run(self) -> None:
         while True:
-            rows = self._q.get()
+            try:
+                rows = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
             if rows is None:
                 return
             while True:  # what else is queued goes in the same write (one flush)
@@ -174,8 +204,13 @@ def open_log(out: str | None, *, wandb: bool = False, name: str = "", group: str
     if out:
         sinks.append(TensorBoardSink(out))
     if wandb:
-        sinks.append(WandbSink(name, config or {}, out or os.environ.get("WANDB_DIR", "."),
-                               group=group, axes=axes))
+        try:
+            sinks.append(WandbSink(name, config or {}, out or os.environ.get("WANDB_DIR", "."),
+                                   group=group, axes=axes))
+        except ValueError:
+            for sink in sinks:
+                sink.close()
+            raise
     return ScalarLog(sinks) if sinks else None
 
 

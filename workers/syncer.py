@@ -30,8 +30,10 @@ from broker.connection import OUTAGE, value_limits
 from broker.pubsub import Publisher
 from broker.records import SyncerFinal
 from pipeline import capacity, kernels
+from pipeline.config import to_dict
 from workers import heap, native
 from workers.common import RunContext, apply_environment, open_run
+from workers.scalars import open_log
 from workers.syncer_commits import Commits
 
 # the command line and the configuration, re-exported: `workers.syncer.parse_args`, and
@@ -64,9 +66,14 @@ class Syncer:
             raise ValueError(f"--fragments {bad}: the run has fragments "
                              f"0..{len(ctx.fragments) - 1}")
         bcfg = ctx.cfg.broker
+        # its curves (`workers.scalars`), first: what cannot be had is refused (ValueError)
+        # before the socket is bound
+        scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=cfg.syncer_id,
+                           group=ctx.keys.run, config=to_dict(ctx.cfg),
+                           axes={"fragment": "version"})
         self.pub = Publisher(ctx_zmq, cfg.bind, cfg.advertise_host, hwm=bcfg.zmq_hwm,
                              curve=cfg.curve)
-        self.sh = sh = SyncerShared(cfg, ctx, self.pub)
+        self.sh = sh = SyncerShared(cfg, ctx, self.pub, scalars)
         self.cfg, self.ctx, self.run_cfg, self.bcfg = cfg, ctx, ctx.cfg, bcfg
         # the same objects as `sh`'s (never rebound): what tools and tests read
         self.streams, self.frags, self.owned, self.stats = sh.streams, sh.frags, sh.owned, sh.stats
@@ -232,7 +239,12 @@ def main(cfg: SyncerConfig) -> int:
         log.error("run %r cannot start: %s", cfg.run, refused)
         return 2
     zctx = zmq.Context()
-    s = Syncer(cfg, ctx, zctx)
+    try:
+        s = Syncer(cfg, ctx, zctx)
+    except ValueError as e:  # a setting this process cannot have: one line, no traceback
+        log.error("%s: %s", cfg.syncer_id, e)
+        zctx.term()
+        return 2
     if cfg.metrics_port:
         from workers.metrics import serve, stalled, syncer_spec
 
@@ -248,17 +260,17 @@ def main(cfg: SyncerConfig) -> int:
         return s.run_forever()
     finally:
         s.pub.close()
-        if s.sh.scalars is not None:
-            s.sh.scalars.close()
         try:
             for p in s.owned:
-                s.sh.fenced.release_lease(p, cfg.syncer_id)
+                s.sh.store.release_lease(p, cfg.syncer_id)
             if s.auto:
                 registry.syncer_leave(s.ctx.r, s.ctx.keys, cfg.syncer_id)
         except redis.RedisError as e:
             log.warning("could not hand over the fragments at exit (%s): the others take them "
                         "when the leases run out", e)
         zctx.term()
+        if s.sh.scalars is not None:  # last: the fragments are handed over already
+            s.sh.scalars.close()
 
 
 if __name__ == "__main__":

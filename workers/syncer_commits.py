@@ -55,7 +55,7 @@ class Commits:
         version = f.core.version
         floor = self._sent_floor(f, version if checkpoint else f.ckpt_version)
         try:
-            self.sh.fenced.commit_round(
+            self.sh.store.commit_round(
                 p, self.sh.cfg.syncer_id, state=self.state_blob(f.core) if checkpoint else None,
                 snapshot=snapshot, version=version, record=record, ack_ids=acks,
                 drop_sent_versions=range(f.sent_floor, floor), after=version - 1, merged=merged)
@@ -66,7 +66,7 @@ class Commits:
             log.error("%s; re-committing", e)
             self.resync()
         except LeaseLost:
-            if self.sh.fenced.lease_holder(p) is not None:
+            if self.sh.store.lease_holder(p) is not None:
                 if not self.sh.auto:
                     raise  # another syncer owns the fragment now: this one stops
                 # sharing: that syncer serves it now (its entries of this round are pending
@@ -101,7 +101,7 @@ class Commits:
     def checkpoint(self, p: int, f: FragState) -> None:
         floor = self._sent_floor(f, f.core.version)
         try:
-            self.sh.fenced.checkpoint(p, self.sh.cfg.syncer_id, state=self.state_blob(f.core),
+            self.sh.store.checkpoint(p, self.sh.cfg.syncer_id, state=self.state_blob(f.core),
                                        version=f.core.version,
                                        drop_sent_versions=range(f.sent_floor, floor))
         except RoundsLost as e:  # a failover lost rounds: re-commit them (a checkpoint too)
@@ -156,7 +156,7 @@ class Commits:
         if v is not None:
             return v
         shapes = self.sh.shapes(p)
-        blob = self.sh.fenced.load_state(p, limit := capacity.state_limit(shapes))
+        blob = self.sh.store.load_state(p, limit := capacity.state_limit(shapes))
         return -1 if blob is None else int(unpack_state(
             blob, max_bytes=limit, shapes=shapes)["version"])
 
@@ -165,7 +165,7 @@ class Commits:
         sh, me = self.sh, self.sh.cfg.syncer_id
         for p, f in list(sh.frags.items()):
             sh.streams.ensure_group(p)
-            if not sh.fenced.acquire_lease(p, me, sh.bcfg.lease_ms):
+            if not sh.store.acquire_lease(p, me, sh.bcfg.lease_ms):
                 if not sh.auto:
                     raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
                 sh.forget(p, "lease lost")
@@ -179,7 +179,7 @@ class Commits:
             if not lost or lost[-1][0].version != f.core.version:
                 raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
             sent = f.snapshots_since(stored, sh.ctx.keys.run)
-            sh.fenced.commit_round(
+            sh.store.commit_round(
                 p, me, state=self.state_blob(f.core),
                 snapshot=sent[f.core.version], version=f.core.version,
                 record=lost[-1][0].to_fields(),

@@ -43,10 +43,10 @@ class Ownership:
             self.rebalance(force=True)
             return
         for p in sh.cfg.fragments:
-            if not sh.fenced.has_state(p):
+            if not sh.store.has_state(p):
                 self._init_params()  # before any lease: JAX can outlast a short lease
         for p in sh.cfg.fragments:
-            while not sh.fenced.acquire_lease(p, sh.cfg.syncer_id, sh.bcfg.lease_ms):
+            while not sh.store.acquire_lease(p, sh.cfg.syncer_id, sh.bcfg.lease_ms):
                 log.info("fragment %d is leased by another syncer; standing by", p)
                 sh.phase, sh.last_tick = "standing by", time.monotonic()
                 time.sleep(sh.bcfg.lease_ms / 3000)
@@ -67,17 +67,17 @@ class Ownership:
         sh, me = self.sh, self.sh.cfg.syncer_id
         for p in ps:
             sh.streams.ensure_group(p)
-            state_blob = sh.fenced.load_state(p, limit := capacity.state_limit(sh.shapes(p)))
+            state_blob = sh.store.load_state(p, limit := capacity.state_limit(sh.shapes(p)))
             if state_blob is None:
                 init = self._init_params()
                 core = FragmentSyncer(p, {n: init[n] for n in sh.ctx.fragments[p]},
                                       sh.run_cfg.outer, sh.sync,
                                       is_embedding=sh.ctx.task.is_embedding,
                                       prior_step_norm=fragment_prior(sh.run_cfg, sh.shapes(p)))
-                sh.fenced.acquire_lease(p, me, sh.bcfg.lease_ms)
-                sh.fenced.init_fragment(p, me, state=self.commits.state_blob(core),
+                sh.store.acquire_lease(p, me, sh.bcfg.lease_ms)
+                sh.store.init_fragment(p, me, state=self.commits.state_blob(core),
                                          snapshot=self.commits.snapshot(core))
-                state_blob = sh.fenced.load_state(p, limit)
+                state_blob = sh.store.load_state(p, limit)
             f = sh.frags[p] = self._recover(p, state_blob)
             f.keep_snapshot(f.core.version, self.commits.snapshot(f.core))
             f.final_seen |= self._finals_done(p)
@@ -87,7 +87,7 @@ class Ownership:
         for p in ps:  # re-publish what is committed (a restart after a crash, a takeover)
             self.rounds.publish(p, sh.frags[p].core)
         for p in ps:  # recovery may have outlasted a lease: claim nothing for a lost one
-            if not sh.fenced.acquire_lease(p, me, sh.bcfg.lease_ms):
+            if not sh.store.acquire_lease(p, me, sh.bcfg.lease_ms):
                 if not sh.auto:
                     raise LeaseLost(f"fragment {p}: lease lost while recovering it")
                 log.warning("fragment %d: lease lost while recovering it; another syncer "
@@ -146,7 +146,7 @@ class Ownership:
         except LeaseLost:
             release = False  # not ours any more: the next owner replays the rounds
         else:
-            self.sh.fenced.release_lease(p, self.sh.cfg.syncer_id)
+            self.sh.store.release_lease(p, self.sh.cfg.syncer_id)
         if p in self.sh.frags:  # the checkpoint's resync may have found another serving it
             self.sh.forget(p, "released" if release else "lease lost")
 
@@ -175,7 +175,9 @@ class Ownership:
         before = list(sh.owned)
         self._unwanted = {p: t for p, t in self._unwanted.items() if p in sh.frags}
         for p in list(sh.owned):
-            f = sh.frags[p]
+            f = sh.frags.get(p)
+            if f is None:  # a hand-over's resync found another syncer serving it
+                continue
             if p in mine or f.finished:
                 self._unwanted.pop(p, None)
                 continue
@@ -183,9 +185,9 @@ class Ownership:
             if not f.core.contributors or now - since > sh.bcfg.lease_ms / 1000:
                 self.hand_over(p)
         want = sorted(mine - set(sh.owned) - closed)
-        if want and not all(sh.fenced.has_state(p) for p in want):
+        if want and not all(sh.store.has_state(p) for p in want):
             self._init_params()  # before any lease: JAX can outlast a short lease
-        got = [p for p in want if sh.fenced.acquire_lease(p, me, sh.bcfg.lease_ms)]
+        got = [p for p in want if sh.store.acquire_lease(p, me, sh.bcfg.lease_ms)]
         if got:
             self.adopt(got)
             log.info("took fragments %s (syncers %s; now owns %s)", got, members, sh.owned)
@@ -200,7 +202,7 @@ class Ownership:
         and set back any stream an entry of the largest id blocks."""
         sh = self.sh
         for p in list(sh.owned):
-            if not sh.fenced.acquire_lease(p, sh.cfg.syncer_id, sh.bcfg.lease_ms):
+            if not sh.store.acquire_lease(p, sh.cfg.syncer_id, sh.bcfg.lease_ms):
                 if not sh.auto:
                     raise LeaseLost(f"fragment {p}: lease lost")
                 log.warning("fragment %d: lease lost (this syncer stalled longer than "

@@ -77,11 +77,12 @@ class Rounds:
         record = self._record(result, t0)
         snapshot = self.commits.snapshot(f.core)
         acks = list(f.entries) + f.ack_extra
-        # each included learner's merge record, committed with the round: a learner that
-        # receives the value or reads its snapshot finds what it merged
-        merged = {n: Merged(f.entries[e].base_version, f.entries[e].step,
-                            result.version).to_json()
+        # each included learner's merge record, committed with the round and published with
+        # its value: a learner that receives the value or reads its snapshot finds what it
+        # merged (from the message itself, or from Redis)
+        pushes = {n: (f.entries[e].base_version, f.entries[e].step)
                   for e, n, *_ in result.included if e in f.entries}
+        merged = {n: Merged(b, s, result.version).to_json() for n, (b, s) in pushes.items()}
         f.recent.append((record, acks, merged))
         f.keep_snapshot(result.version, snapshot)
         if not self.commits.commit(p, f, snapshot=snapshot, record=record.to_fields(),
@@ -89,22 +90,23 @@ class Rounds:
                                        reason == FINAL_FLUSH or self.commits.checkpoint_due(f))):
             return
         self.sh.cfg.faults.at("after", self.sh.stats.commits)
-        self.publish(p, f.core)
+        self.publish(p, f.core, pushes)
         f.core.record_sync_time(time.monotonic() - t0)
-        self._count(result, record)
-        self.commits.trim(p, f)
-        f.entries, f.ack_extra = {}, []
-        deferred, f.deferred = f.deferred, []
-        for e in deferred:
-            self.intake.offer(e)
-
-    def _count(self, result: RoundResult, record: RoundRecord) -> None:
-        """A committed round's counters, log line and events."""
-        st, p, v = self.sh.stats, result.fragment, result.version
+        st = self.sh.stats
         st.rounds += 1
         st.merged += len(result.included)
         st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
         st.last_reason = result.reason
+        self.commits.trim(p, f)
+        f.entries, f.ack_extra = {}, []
+        self._report(result, record)  # (events reach Redis: after the round's own state)
+        deferred, f.deferred = f.deferred, []
+        for e in deferred:
+            self.intake.offer(e)
+
+    def _report(self, result: RoundResult, record: RoundRecord) -> None:
+        """A committed round's curves, log line and events."""
+        p, v = result.fragment, result.version
         if self.sh.scalars is not None:  # written off this thread
             self.sh.scalars.add(f"fragment/{p}", v, {
                 "merged": len(result.included), "dropped": len(result.dropped),
@@ -133,9 +135,13 @@ class Rounds:
             grace_wait_s=max(0.0, r.closed_s - r.quorum_s),
             merge_s=time.monotonic() - t0, syncer=self.sh.cfg.syncer_id, t=time.time())
 
-    def publish(self, p: int, core: FragmentSyncer) -> None:
-        """Publish the fragment's current value: whole, or a delta with the value's hash."""
+    def publish(self, p: int, core: FragmentSyncer,
+                pushes: dict[str, tuple[int, int]] | None = None) -> None:
+        """Publish the fragment's current value: whole, or a delta with the value's hash;
+        with the round's merge records when it was just committed (`pushes`: learner → base
+        version and step; None for a re-publish)."""
         delta = core.sync_cfg.down_delta
         self.sh.pub.publish(codec.global_frames(self.sh.ctx.keys.run, p, core.version,
                                                 core.sent, base=core.sent_base,
-                                                value=core.sent_hash if delta else ""))
+                                                value=core.sent_hash if delta else "",
+                                                merged=pushes))

@@ -18,12 +18,11 @@ from broker.errors import DecodeError
 from broker.pubsub import Publisher
 from broker.records import SyncerInfo
 from broker.streams import Entry, FragmentStreams
-from pipeline.config import to_dict
 from pipeline.downlink import full_value
 from pipeline.fragments import fragment_sizes
 from pipeline.syncer import FragmentSyncer
 from workers.common import RunContext
-from workers.scalars import open_log
+from workers.scalars import ScalarLog
 from workers.syncer_config import SyncerConfig
 
 log = logging.getLogger("diloco.syncer")
@@ -102,7 +101,8 @@ class SyncerShared:
     the run, the fragment streams and publisher, the fragments this syncer serves, its
     counters, and what it knows of the learners (refreshed by the loop)."""
 
-    def __init__(self, cfg: SyncerConfig, ctx: RunContext, pub: Publisher):
+    def __init__(self, cfg: SyncerConfig, ctx: RunContext, pub: Publisher,
+                 scalars: ScalarLog | None = None):
         self.cfg = cfg
         self.ctx = ctx
         self.run_cfg = ctx.cfg
@@ -110,7 +110,7 @@ class SyncerShared:
         self.bcfg = ctx.cfg.broker
         self.streams = FragmentStreams(ctx.r, ctx.keys, max_entries=self.bcfg.stream_max_entries,
                                        piece_bytes=self.bcfg.piece_bytes)
-        self.fenced = self.streams.state  # leases, commits, checkpoints (`broker.commit`)
+        self.store = self.streams.state  # leases, commits, checkpoints (`broker.commit`)
         self.pub = pub
         self.verifier = signing.Verifier(cfg.sign_keys, heartbeat_max_age_s=(  # a replayed one
             self.bcfg.heartbeat_ttl_s + signing.CLOCK_SKEW_S)) if cfg.sign_keys else None
@@ -130,10 +130,7 @@ class SyncerShared:
         self.declared: dict[str, int] = {}
         # learner → the newest epoch of its entries seen: entries of older epochs are fenced
         self.epochs: dict[str, int] = {}
-        # its curves (`workers.scalars`; None: not asked for)
-        self.scalars = open_log(cfg.tensorboard, wandb=cfg.wandb, name=cfg.syncer_id,
-                                group=ctx.keys.run, config=to_dict(ctx.cfg),
-                                axes={"fragment": "version"})
+        self.scalars = scalars  # its curves (`workers.scalars`; None: not asked for)
 
     def event(self, kind: str, **fields) -> None:
         registry.event(self.ctx.r, self.ctx.keys, kind, **fields)

@@ -140,7 +140,7 @@ class Island:
         # took_over_at_s: when a warm spare was told to take over, `diloco learner --standby`)
         self.startup: dict[str, float | None] = {}
         self._t_rate, self._tok_rate = 0.0, 0
-        self._steps_here = 0
+        self.steps_here = 0  # steps this process took (a restarted island's count starts at 0)
         self._closed = False
         self._lookup = MergedLookup(self.ctx, self.id, self.net)
         self.checkpoints = Checkpoints(self.ctx, self.id, self.sync, self.state_dir,
@@ -215,8 +215,8 @@ class Island:
             raise ValueError(f"{self.id}: a step of {n_tok} tokens (declared at most "
                              f"{self.max_tokens_per_step} per step)")
         self.step += 1
-        self._steps_here += 1
-        if self._steps_here == 1:
+        self.steps_here += 1
+        if self.steps_here == 1:
             self._t_first = now  # the first step of a process includes compilation
             self.startup["first_step_at_s"] = age = process_age_s()
             took = self.startup.get("took_over_at_s")
@@ -282,6 +282,10 @@ class Island:
         """
         if params is not None:
             self._params = self._flat(params)
+        if self.steps_here:
+            self.train_s = self._t_last - self._t_start
+            if self.steps_here > 1 and self._t_last > self._t_first:
+                self.steady_steps_per_s = (self.steps_here - 1) / (self._t_last - self._t_first)
         self.report = final_flush(self)
         self._curves(sync_s=self.sync_s)
         return self._out(self._params)

@@ -24,11 +24,9 @@ log = logging.getLogger("diloco.learner")
 
 
 def final_flush(isl: Island) -> LearnerFinal:
-    """The island's final flush (see module docstring); its report, recorded in Redis."""
-    if isl._steps_here:
-        isl.train_s = isl._t_last - isl._t_start
-        if isl._steps_here > 1 and isl._t_last > isl._t_first:
-            isl.steady_steps_per_s = (isl._steps_here - 1) / (isl._t_last - isl._t_first)
+    """The island's final flush (see module docstring); its report, recorded in Redis. It is
+    the island's own last phase, kept apart by job: it drives the island's internals (its
+    parameters, inbox, pushes and checks) as the island's methods do."""
     isl._check_net()
     deadline = time.monotonic() + isl.cfg.final_timeout_s
     final: list[Push] = []
@@ -48,7 +46,7 @@ def final_flush(isl: Island) -> LearnerFinal:
         step_s=isl.step_s, train_s=isl.train_s, steps_per_s=isl.steady_steps_per_s,
         rejected=s.rejected, rebased_merged=core.rebased_merged, sync_s=round(isl.sync_s, 3))
     log.info("%s: %d steps in %.1f s of training; %.1f s (%.1f%%) in pushes, merged values, "
-             "heartbeats and checkpoints", isl.id, isl._steps_here, isl.train_s,
+             "heartbeats and checkpoints", isl.id, isl.steps_here, isl.train_s,
              isl.sync_s, 100 * isl.sync_s / max(isl.train_s, 1e-9))
     report = _signed(isl, "final", report)
     isl._check_current()

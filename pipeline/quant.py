@@ -374,12 +374,17 @@ def tensors_hash(tensors: Mapping[str, QTensor | np.ndarray]) -> str:
     final values (learners that end identical report identical hashes).
     """
     h = hashlib.sha256()
-    for name in sorted(tensors):
+    for name in sorted(tensors):  # each buffer hashed where it is (no copy of the value)
         t = tensors[name]
         if isinstance(t, QTensor):
-            h.update(np.ascontiguousarray(t.data).tobytes())
+            h.update(_raw(t.data))
             if t.scales is not None:
-                h.update(np.ascontiguousarray(t.scales).tobytes())
+                h.update(_raw(t.scales))
         else:
-            h.update(np.ascontiguousarray(t, np.float32).tobytes())
+            h.update(_raw(np.asarray(t, np.float32)))
     return h.hexdigest()
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """The array's bytes as one contiguous buffer (a view when it is C-contiguous)."""
+    return memoryview(np.ascontiguousarray(a)).cast("B")

@@ -7,6 +7,7 @@ deadline, Redis stream inspection, and syncers run as subprocesses or in a threa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import subprocess
@@ -259,9 +260,19 @@ def reference_round(cfg: RunConfig, p: int, contributions: list[Any]
     return result.version, {k: quant.dequantize(q) for k, q in core.snapshot_tensors.items()}
 
 
-def end_processes(procs: Mapping[str, subprocess.Popen], logs: Mapping[str, IO]) -> None:
-    """Kill what still runs of `procs` and close their log files (a test's `finally`)."""
-    for p in procs.values():
+def end_processes(procs: Mapping[str, subprocess.Popen], logs: Mapping[str, IO], *,
+                  grace_s: float = 0.0) -> None:
+    """End what still runs of `procs` and close their log files (a test's `finally`): with
+    `grace_s`, SIGTERM first and that long for all of them to exit; then SIGKILL."""
+    running = [p for p in procs.values() if p.poll() is None]
+    if grace_s:
+        for p in running:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.01, deadline - time.monotonic()))
+    for p in running:
         if p.poll() is None:
             p.kill()
             p.wait()

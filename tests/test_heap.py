@@ -40,12 +40,14 @@ print(json.dumps({"result": result, "faults_per_call": sorted(faults)[4],  # the
 PAGES = 64 * 2**20 // 4096  # the intermediate's pages
 
 
-def _run(env_value: str | None) -> dict:
+def _run(env_value: str | None, script: str = SCRIPT) -> dict:
+    """`script` in a fresh interpreter with `heap.ENV` set to `env_value` (None: unset); the
+    JSON it prints last."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop(heap.ENV, None)
     if env_value is not None:
         env[heap.ENV] = env_value
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -94,14 +96,7 @@ print(json.dumps({"result": result, "freed": before - rss()}))
 
 @pytest.mark.parametrize("env_value", [None, "1"])
 def test_the_syncer_gives_freed_arrays_back_unless_told_to_keep_them(env_value):
-    env = dict(os.environ)
-    env.pop(heap.ENV, None)
-    if env_value is not None:
-        env[heap.ENV] = env_value
-    done = subprocess.run([sys.executable, "-c", RETURN_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout)
+    got = _run(env_value, RETURN_SCRIPT)
     if env_value is None:
         assert got["result"] == "returned" and got["freed"] > 150 * 2**20, got
     else:

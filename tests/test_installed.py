@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers_broker import end_processes
 
 from ops.cluster.redis_server import free_port
 from pipeline import config as cfgmod
@@ -159,15 +160,7 @@ def test_every_command_runs_from_the_installation(installed, redis_url):
         status = cli("status", "--run", "hand", *url, "--json", tools=True)
         assert status["rounds"] >= 1 and sorted(status["learners"]) == ["L0", "L1"], status
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        for fh in logs.values():
-            fh.close()
+        end_processes(procs, logs, grace_s=20)
     # the tools on the finished run, two at a time (each is a process start; they only read
     # the run, or write their own files)
     empty = work / "replay-kernel-cache"  # replay merges with a library already built, else
@@ -261,9 +254,4 @@ def _check_dashboard(diloco: str, work: Path, env: dict, url: list[str]) -> None
         assert {ln["id"]: ln["state"] for ln in st["learners"]} == {"L0": "finished",
                                                                   "L1": "finished"}, st
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end_processes({"dashboard": proc}, {}, grace_s=10)

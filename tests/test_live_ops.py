@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from helpers_broker import end_processes
 from test_e2e import TINY
 
 from broker import registry
@@ -138,13 +139,7 @@ class Dashboard:
                 len(st["loss"].get("L0", [])), {e["kind"] for e in st["events"]})
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stderr.close()
+        end_processes({"dashboard": self.proc}, {"stderr": self.proc.stderr}, grace_s=10)
 
 
 def check_dashboard(tmp_path, dash: Dashboard, procs: list, learner_cmd) -> None:

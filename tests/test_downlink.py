@@ -535,29 +535,37 @@ def test_a_blocking_learner_stops_waiting_for_a_push_the_syncer_refused(tmp_path
         log.close()
 
 
-def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_url):
-    """The syncer commits a round's merge records in the same transaction as its snapshot, so
-    a learner reading a snapshot (a missed message, a rejoin) trusts the record it reads next
-    exactly as for a published message: the record of an earlier round means this round
-    merged no later push of the learner, no record means none was merged. (Before, a snapshot
-    could precede its records, and such a read counted as "cannot tell".)"""
+def _rebase_rig(redis_url: str, run: str, p: int):
+    """A "rebase" run's fragment p: its state machine, its streams with the lease taken, and
+    a learner's network thread (not started: values are handed to it one by one)."""
     import zmq
 
-    from broker.records import Merged
     from broker.streams import FragmentStreams
     from workers.learner_net import LearnerNet
 
     r = connect(redis_url)
-    store_run(r, "snap", tiny_config(sync={"apply": "rebase"}))
-    ctx = open_run(redis_url, "snap", wait_s=0)
-    p = 0
+    store_run(r, run, tiny_config(sync={"apply": "rebase"}))
+    ctx = open_run(redis_url, run, wait_s=0)
     shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
     plain = SyncConfig(quorum=1, grace_max_s=0.0, guard=False)
     s = FragmentSyncer(p, _theta(shapes), OuterConfig(), plain, is_embedding=is_embedding)
     fs = FragmentStreams(r, ctx.keys)
     assert fs.state.acquire_lease(p, "S", 10_000)
     zctx = zmq.Context()
-    net = LearnerNet(ctx, "L0", zctx)
+    return s, fs, zctx, LearnerNet(ctx, "L0", zctx)
+
+
+def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_url):
+    """The syncer commits a round's merge records in the same transaction as its snapshot, so
+    a learner reading a snapshot (a missed message, a rejoin) trusts the record it reads next
+    exactly as for a published message: the record of an earlier round means this round
+    merged no later push of the learner, no record means none was merged. (Before, a snapshot
+    could precede its records, and such a read counted as "cannot tell".)"""
+
+    from broker.records import Merged
+
+    p = 0
+    s, fs, zctx, net = _rebase_rig(redis_url, "snap", p)
     try:
         net.joined_at(p, 0, dict(s.sent_values))
         for i, merged in enumerate(({}, {"L0": Merged(0, 7, 2)}, {"L1": Merged(1, 9, 3)})):
@@ -585,23 +593,11 @@ def test_a_published_value_carries_its_rounds_merge_records(redis_url):
     says it with no Redis read — its own push merged, or none of its pushes this round (the
     record stays the one before). A missed value, or one without records (a re-publish),
     is read again. Records that do not fit the message are refused."""
-    import zmq
 
     from broker.records import Merged
-    from broker.streams import FragmentStreams
-    from workers.learner_net import LearnerNet
 
-    r = connect(redis_url)
-    store_run(r, "carried", tiny_config(sync={"apply": "rebase"}))
-    ctx = open_run(redis_url, "carried", wait_s=0)
     p = 0
-    shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
-    plain = SyncConfig(quorum=1, grace_max_s=0.0, guard=False)
-    s = FragmentSyncer(p, _theta(shapes), OuterConfig(), plain, is_embedding=is_embedding)
-    fs = FragmentStreams(r, ctx.keys)
-    assert fs.state.acquire_lease(p, "S", 10_000)
-    zctx = zmq.Context()
-    net = LearnerNet(ctx, "L0", zctx)
+    s, fs, zctx, net = _rebase_rig(redis_url, "carried", p)
     rounds = ({"L1": (0, 4)}, {"L0": (0, 7), "L1": (1, 8)}, {"L1": (2, 9)}, None,
               {"L0": (3, 12)}, {"L1": (5, 13)})
     want = [None, (0, 7, 2), (0, 7, 2), (0, 7, 2), (3, 12, 5), (3, 12, 5)]

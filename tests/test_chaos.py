@@ -119,3 +119,31 @@ def test_random_schedules_are_poisson_and_a_rate_of_zero_means_none():
     # `diloco bench s1 --kill-every-s 0`: no faults (it used to loop for ever at t = 0)
     assert random_schedule(1, 300.0, {"kill-learner": 0.0, "pause-learner": -1.0}, 5.0,
                            quiet_tail_s=15.0) == []
+
+
+def test_a_push_written_twice_its_first_copy_dropped_and_trimmed_is_accounted(tmp_path,
+                                                                             redis_url):
+    """An XADD that landed but whose reply was lost (a link coming back) is sent again: the
+    syncer drops the first copy (stale, say) and the second as a duplicate, and the stream is
+    trimmed before the ledger runs. The learner's log knows only the second copy's id; the
+    first copy's drop event names the push, so the ledger accounts for it (the lab's partition
+    run once counted it lost)."""
+    import json
+
+    from broker import registry
+    from broker.connection import connect
+    from broker.keys import RunKeys
+    from ops.chaos.ledger import account
+
+    r, keys = connect(redis_url), RunKeys("twice")
+    key = {"learner": "L1", "fragment": 0, "base_version": 49, "step": 550}
+    (tmp_path / "L1.acked.jsonl").write_text(json.dumps(
+        {"id": "200-0", "run": "h", "repush": False, **key}) + "\n")
+    registry.event(r, keys, "join", learner="L1")
+    registry.event(r, keys, "dropped", fragment=0, entry="100-0", reason="stale: base version "
+                   "49, global version 87, max_staleness 4", learner="L1", base_version=49,
+                   step=550)  # the first copy: not in any log, its entry trimmed
+    registry.event(r, keys, "dropped", fragment=0, entry="200-0", reason="duplicate")
+    rep = account(r, "twice", 1, tmp_path, learners=1, frag_weights=[1.0], t_start=0.0,
+                  t_end=1.0, restarts=[], window_s=1.0)
+    assert rep["lost"] == 0 and rep["duplicated"] == 1 and rep["dropped_stale"] == 1, rep

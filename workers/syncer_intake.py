@@ -112,6 +112,7 @@ class Intake:
         else:  # the learner may be waiting for this push's merged value: tell it
             self.note_refused(meta.learner, e.fragment, meta.base_version, meta.step, reason)
         f.ack_extra.append(e.entry_id)
+        f.drop_keys[e.entry_id] = (meta.learner, meta.base_version, meta.step)
         self.sh.stats.dropped += 1
 
     def _fenced(self, e: Entry, meta: EntryMeta) -> bool:

@@ -65,9 +65,11 @@ class Rounds:
         """Acknowledge refused entries when no round is open (their drop reasons are logged)."""
         f = self.sh.frags[p]
         for entry_id, reason in f.core.take_drops():
-            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason)
+            learner, base_version, step = f.drop_keys.get(entry_id, ("", -1, -1))
+            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason,
+                          learner=learner, base_version=base_version, step=step)
         self.sh.streams.ack_only(p, f.ack_extra)
-        f.ack_extra = []
+        f.ack_extra, f.drop_keys = [], {}
 
     def _close(self, p: int, f: FragState, reason: str, now: float) -> None:
         t0 = time.monotonic()
@@ -98,7 +100,7 @@ class Rounds:
         st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
         st.last_reason = result.reason
         self.commits.trim(p, f)
-        f.entries, f.ack_extra = {}, []
+        f.entries, f.ack_extra, f.drop_keys = {}, [], {}  # (the round record names the drops)
         self._report(result, record)  # (events reach Redis: after the round's own state)
         deferred, f.deferred = f.deferred, []
         for e in deferred:

@@ -50,6 +50,9 @@ class FragState:
     core: FragmentSyncer
     entries: dict[str, EntryMeta] = field(default_factory=dict)   # entry id → open-round entry
     ack_extra: list[str] = field(default_factory=list)            # duplicates/drops to ack
+    # of those: entry id → its push's (learner, base version, step), named in its drop event
+    # (the entry itself may be trimmed before anyone reads the event)
+    drop_keys: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     deferred: list[Entry] = field(default_factory=list)
     final_seen: set[str] = field(default_factory=set)
     finished: bool = False

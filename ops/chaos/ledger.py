@@ -58,6 +58,18 @@ def _key_of(r: redis.Redis, keys: RunKeys, p: int, entry_id: str, id_key: IdMap)
     return None if peek is None else (peek[0], p, peek[1], peek[2])
 
 
+def _event_key(f: dict, p: int) -> Key | None:
+    """The push a drop event names (the syncer writes its learner, base version and step): the
+    key of an entry trimmed since, whose reply never reached its learner (so no acked log has
+    it) — an XADD that landed twice, its first copy dropped, the second a duplicate."""
+    try:
+        learner = as_text(f[b"learner"])
+        base, step = int(f[b"base_version"]), int(f[b"step"])
+    except (KeyError, ValueError):
+        return None
+    return (learner, p, base, step) if learner and base >= 0 and step >= 0 else None
+
+
 def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, learners: int,
             frag_weights: list[float], t_start: float, t_end: float,
             restarts: list[tuple[str, float]], window_s: float) -> dict:
@@ -123,7 +135,7 @@ def account(r: redis.Redis, run: str, n_fragments: int, state_dir: Path, *, lear
     for _, f in r.xrange(keys.events):
         if as_text(f.get(b"kind", b"")) == "dropped":
             fr = int(f[b"fragment"])
-            k = _key_of(r, keys, fr, as_text(f[b"entry"]), id_key)
+            k = _key_of(r, keys, fr, as_text(f[b"entry"]), id_key) or _event_key(f, fr)
             if k is not None:
                 kind = Reason.of(as_text(f[b"reason"])).kind
                 if kind is Drop.DUPLICATE:

@@ -59,6 +59,21 @@ def default_model_config() -> RunConfig:
     })
 
 
+def shipped_model_config() -> RunConfig:
+    """The quality-versus-size study's base: the default model and run length of
+    `default_model_config`, with every sync and outer setting as `RunConfig()` ships it (no
+    `QUALITY_*` override); another size by ``--set model.d_model=… --set model.n_layers=…``."""
+    return cfgmod.from_dict({
+        "data": {"max_bytes": 8_000_000, "eval_batches": 16},
+        "engine": {"eval_every": 250},
+        "learners": 4, "steps": 2000,
+    })
+
+
+MODELS = {"bench": bench_model_config, "default": default_model_config,
+          "shipped": shipped_model_config}
+
+
 # down-link codecs of the frontier: name → overrides ("Δ": deltas with error feedback)
 DOWN_LINKS = {
     "bf16": {"sync.codec_down": "bf16", "sync.down_delta": False},

@@ -56,6 +56,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DDP = "ddp"
@@ -264,6 +265,13 @@ def merge(out: Path, *dirs: Path) -> dict:
     return results
 
 
+def merge_jobs(out: Path) -> dict:
+    """`merge` of every job folder of `out`: a sitting cut while one run of a pair had
+    finished keeps that run."""
+    jobs = out / "jobs"
+    return merge(out, *sorted(jobs.glob("*")) if jobs.is_dir() else [])
+
+
 def command(run: Run, out: Path, steps: int = STEPS) -> list[str]:
     """The run's `diloco bench quality` command; at another length than `STEPS` with the
     shipped plain final step (the 2,000-step table's runs keep the Nesterov one they were
@@ -277,6 +285,67 @@ def command(run: Run, out: Path, steps: int = STEPS) -> list[str]:
             "--out", str(out), *ARGS[base], *(["--outer-momenta", om] if om else []),
             *(["--outer-lrs", olr] if olr else []), "--lrs", f"{lr:g}", "--seeds", str(seed),
             *longer]
+
+
+# one run a planner wants: its key in its folder's results.json, the folder, and its
+# `diloco bench quality` command writing to a given folder
+Job = tuple[str, Path, Callable[[Path], list[str]]]
+
+
+def drive(jobs: int, wanted: Callable[[], list[Job]]) -> list[str]:
+    """Keep `jobs` runs of `wanted()` going, the most wanted first, until it wants none: with
+    two, each pinned to a core of its own with one XLA thread in ``<folder>/jobs/coreN``, its
+    result merged into ``<folder>/results.json`` as soon as it ends (`wanted` is asked again
+    then). After a failed run nothing new starts. Returns the failed runs."""
+    running: dict[int, tuple[subprocess.Popen, str, Path, Path]] = {}  # core → job
+    failed: list[str] = []
+    while True:
+        busy = {(key, out) for _, key, out, _ in running.values()}
+        todo = [j for j in wanted() if j[:2] not in busy] if not failed else []
+        for core in range(jobs):
+            if core in running or not todo:
+                continue
+            key, out, argv = todo.pop(0)
+            if jobs == 1:
+                d, cmd, env = out, argv(out), None
+            else:
+                d = out / "jobs" / f"core{core}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "results.json").write_text(json.dumps(_read(out / "results.json")))
+                cmd = ["taskset", "-c", str(core), *argv(d)]
+                env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + (
+                    " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"))}
+            print(f"{time.strftime('%H:%M:%S')} start {out.name}: {key}"
+                  + (f" on core {core}" if jobs == 2 else ""), flush=True)
+            log = open(d / f"log-{core}.txt", "a")
+            running[core] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env), key, out, d)
+            log.close()
+        if not running:
+            return failed
+        while not any(p.poll() is not None for p, *_ in running.values()):
+            time.sleep(5)
+        for core, (p, key, out, d) in list(running.items()):
+            if p.returncode is None:
+                continue
+            merge(out, d)
+            del running[core]
+            print(f"{time.strftime('%H:%M:%S')} end {out.name}: {key}: rc {p.returncode}",
+                  flush=True)
+            if p.returncode != 0:
+                failed.append(f"{key} (rc {p.returncode}, log {d}/log-{core}.txt)")
+
+
+def lock_folder(ap: argparse.ArgumentParser, out: Path):
+    """One planner per folder (a second would start the same runs again in the same job
+    folders): the held lock file, or exit 2 naming the lock."""
+    lock = open(out / "planner.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        ap.error(f"another planner is running on {out} (it holds {out}/planner.lock)")
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,58 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs == 2 and (os.cpu_count() or 1) < 2:
         ap.error("--jobs 2 needs two cores")
     a.out.mkdir(parents=True, exist_ok=True)
-    jobs = a.out / "jobs"
-    # a sitting cut while one run of a pair had finished: keep that run
-    merge(a.out, *sorted(jobs.glob("*")) if jobs.is_dir() else [])
+    merge_jobs(a.out)
     if a.dry_run:
         for r in planner(losses(_read(a.out / "results.json"))):
             print(name(r))
         return 0
-    # one planner per OUT: a second would start the same runs again in the same job folders
-    lock = open(a.out / "planner.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        ap.error(f"another planner is running on {a.out} (it holds {a.out}/planner.lock)")
-    running: dict[int, tuple[subprocess.Popen, Run, Path]] = {}  # core → job
-    failed: list[str] = []
-    while True:
-        results = merge(a.out, *(d for _, _, d in running.values()))
-        busy = {r for _, r, _ in running.values()}
-        todo = [r for r in planner(losses(results)) if r not in busy] if not failed else []
-        for core in range(a.jobs):
-            if core in running or not todo:
-                continue
-            run = todo.pop(0)
-            if a.jobs == 1:
-                d, cmd, env = a.out, command(run, a.out, a.steps), None
-            else:
-                d = jobs / f"core{core}"
-                d.mkdir(parents=True, exist_ok=True)
-                (d / "results.json").write_text(json.dumps(results))
-                cmd = ["taskset", "-c", str(core), *command(run, d, a.steps)]
-                env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + (
-                    " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"))}
-            print(f"{time.strftime('%H:%M:%S')} start {name(run)}"
-                  + (f" on core {core}" if a.jobs == 2 else ""), flush=True)
-            log = open(d / f"log-{core}.txt", "a")
-            running[core] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=env), run, d)
-            log.close()
-        if not running:
-            break
-        while not any(p.poll() is not None for p, _, _ in running.values()):
-            time.sleep(5)
-        for core, (p, run, d) in list(running.items()):
-            if p.returncode is None:
-                continue
-            merge(a.out, d)
-            del running[core]
-            print(f"{time.strftime('%H:%M:%S')} end {name(run)}: rc {p.returncode}",
-                  flush=True)
-            if p.returncode != 0:
-                failed.append(f"{name(run)} (rc {p.returncode}, log {d}/log-{core}.txt)")
+    lock = lock_folder(ap, a.out)  # noqa: F841 (held until the process ends)
+    failed = drive(a.jobs, lambda: [
+        (name(r), a.out, lambda d, r=r: command(r, d, a.steps))
+        for r in planner(losses(_read(a.out / "results.json")))])
     if failed:
         print("failed: " + "; ".join(failed), file=sys.stderr)
         return 1

@@ -64,9 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run decoupled at these sync intervals H with each up/down codec pair "
                         "(int4/bf16, bf16/bf16, int4/int8Δ, int4/int4Δ, int4+EF/int4Δ, "
                         "int4+EF/bf16; Δ: delta down link, +EF: up-link error feedback)")
-    q.add_argument("--model", choices=("bench", "default"), default="bench",
+    q.add_argument("--model", choices=tuple(quality.MODELS), default="bench",
                    help="bench: the small bench model (d_model 64, 2 layers, 1,500 steps); "
-                        "default: the model ModelConfig defaults to, 2,000 steps")
+                        "default: the model ModelConfig defaults to, 2,000 steps; shipped: "
+                        "that model and length with every sync and outer setting as shipped")
     q.add_argument("--seeds", default="", metavar="S,S,...",
                    help="run every variant at each seed (table: mean ± spread over seeds)")
     q.add_argument("--lrs", default="", metavar="LR,LR,...",
@@ -174,8 +175,7 @@ def _progress(line: str) -> None:
 
 def _quality(args: argparse.Namespace) -> int:
     try:
-        base = config_from_args(args, base=quality.bench_model_config() if args.model == "bench"
-                                else quality.default_model_config())
+        base = config_from_args(args, base=quality.MODELS[args.model]())
         frontier = [int(x) for x in args.frontier.split(",") if x.strip()]
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or None
         lrs = [float(x) for x in args.lrs.split(",") if x.strip()] or None

@@ -1,11 +1,11 @@
 """Fragment-stream entries: one learner's contribution as Redis stream fields.
 
-The plain fields (:class:`EntryMeta`) plus the binary ``payload`` field holding
-:func:`broker.codec.pack_tensors`'s msgpack document, with its size and SHA-256 checked before
-the payload is decoded (:func:`parse_entry`). A payload larger than ``broker.piece_bytes`` is
-split: ``payload`` holds its first piece, ``payload:1`` … ``payload:<n-1>`` the others and
-``pieces`` their number (``nbytes`` and ``sha256`` are the whole payload's), so no field meets
-Redis's limit on one value.
+The push's header (:class:`pipeline.contribution.PushHeader`) and the up link's codec, plus
+the binary ``payload`` field holding :func:`broker.codec.pack_tensors`'s msgpack document, with
+its size and SHA-256 checked before the payload is decoded (:func:`parse_entry`). A payload
+larger than ``broker.piece_bytes`` is split: ``payload`` holds its first piece, ``payload:1``
+… ``payload:<n-1>`` the others and ``pieces`` their number (``nbytes`` and ``sha256`` are the
+whole payload's), so no field meets Redis's limit on one value.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from broker.codec import MAX_PAYLOAD_BYTES, is_int, pack_tensors, sha256_hex, unpack_tensors
@@ -22,7 +21,7 @@ from broker.errors import DecodeError
 from broker.pieces import PIECE_BYTES
 from broker.untrusted import check_blob
 from broker.untrusted import short_repr as _r
-from pipeline.contribution import Contribution, Push
+from pipeline.contribution import PushHeader
 from pipeline.quant import CODECS, QTensor
 
 _INT_RE = re.compile(rb"[0-9]{1,19}")
@@ -31,70 +30,28 @@ PIECE_PREFIX = "payload:"  # the fields of a payload's second and later pieces
 MAX_PIECES = 4096
 
 
-@dataclass(frozen=True)
-class EntryMeta:
-    """The plain (non-payload) fields of a fragment-stream entry: one contribution.
-
-    ``seconds`` is the learner wall time the contribution's steps took (goodput accounting;
-    None: not reported); ``final`` marks a learner's last push of the fragment (the end-of-run
-    flush). A learner reports both; an entry without them is a plain contribution. ``epoch``
-    is the epoch its learner process claimed when it joined (``broker.registry.claim_epoch``;
-    0: none, an entry of a version before epochs): a syncer dead-letters a learner's entries
-    of an older epoch than the newest it has seen of that learner. ``chain`` is the step of
-    the first push of the contribution's chain (`pipeline.contribution.Push.chain`; None: an
-    entry of a version before chains).
-    """
-
-    learner: str
-    fragment: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    codec: str
-    # bookkeeping of the run, not of the contribution: equality leaves them out
-    seconds: float | None = field(default=None, compare=False)
-    final: bool = field(default=False, compare=False)
-    epoch: int = field(default=0, compare=False)
-    chain: int | None = field(default=None, compare=False)
-
-    @classmethod
-    def of_push(cls, learner: str, push: Push, codec: str, *, seconds: float | None = None,
-                final: bool = False, epoch: int = 0) -> EntryMeta:
-        """The entry of a learner's push (:class:`pipeline.contribution.Push`)."""
-        return cls(learner, push.fragment, push.base_version, push.step, push.steps,
-                   push.tokens, codec, seconds, final, epoch, push.chain)
-
-    def contribution(self, tensors: Mapping[str, QTensor], *, entry_id: str = "",
-                     nbytes: int = 0) -> Contribution:
-        """The contribution the syncer's state machine merges
-        (:class:`pipeline.contribution.Contribution`)."""
-        return Contribution(self.learner, self.fragment, self.base_version, self.step,
-                            self.steps, self.tokens, dict(tensors), entry_id=entry_id,
-                            nbytes=nbytes, seconds=self.seconds or 0.0, epoch=self.epoch,
-                            chain=self.chain, final=self.final)
-
-
-def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor], *,
+def entry_fields(head: PushHeader, tensors: Mapping[str, QTensor], codec: str, *,
                  piece_bytes: int = PIECE_BYTES) -> dict[str, bytes | str | int]:
     """Build the Redis stream entry of one outer gradient.
 
     Args:
-        meta: The plain fields.
-        tensors: The fragment's quantised tensors; all must use ``meta.codec``.
+        head: The push's header (:class:`pipeline.contribution.PushHeader`, or the push).
+        tensors: The fragment's quantised tensors; all must use `codec`.
+        codec: The up link's codec (`pipeline.quant.CODECS`).
         piece_bytes: A larger payload is split into pieces of this size.
 
     Returns:
         The fields ``learner, fragment, base_version, step, steps, tokens, codec, nbytes,
         sha256``, the binary ``payload`` (with ``pieces`` and ``payload:1`` … when split),
-        then ``seconds`` and ``final`` (``0``/``1``) when ``meta.seconds`` is reported,
-        ``epoch`` when it is not 0 and ``chain`` when it is not None.
+        ``seconds`` and ``final`` (``0``/``1``), ``epoch`` when it is not 0 and ``chain`` when
+        it is not None.
 
     Raises:
-        ValueError: If a field is invalid or a tensor's codec differs from ``meta.codec``.
+        ValueError: If a field is invalid or a tensor's codec differs from `codec`.
     """
-    if meta.codec not in CODECS:
-        raise ValueError(f"unknown codec {meta.codec!r}")
+    meta = head
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
     if not isinstance(meta.learner, str) or not meta.learner:
         raise ValueError("learner must be a non-empty str")
     for name in (*_ENTRY_INT_FIELDS, "epoch"):
@@ -104,10 +61,10 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor], *,
     if meta.chain is not None and not (is_int(meta.chain) and 0 <= meta.chain <= meta.step):
         raise ValueError(f"chain must be an int from 0 to the step, got {meta.chain!r}")
     for name, q in tensors.items():
-        if q.codec != meta.codec:
-            raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {meta.codec!r}")
-    if meta.seconds is not None and not (isinstance(meta.seconds, int | float)
-                                         and math.isfinite(meta.seconds) and meta.seconds >= 0):
+        if q.codec != codec:
+            raise ValueError(f"{name!r} uses codec {q.codec!r}, entry says {codec!r}")
+    if not (isinstance(meta.seconds, int | float) and not isinstance(meta.seconds, bool)
+            and math.isfinite(meta.seconds) and meta.seconds >= 0):
         raise ValueError(f"seconds must be a finite number >= 0, got {meta.seconds!r}")
     payload = pack_tensors(tensors)
     n = math.ceil(len(payload) / piece_bytes)
@@ -122,14 +79,13 @@ def entry_fields(meta: EntryMeta, tensors: Mapping[str, QTensor], *,
     return {
         "learner": meta.learner,
         **{field: int(getattr(meta, field)) for field in _ENTRY_INT_FIELDS},
-        "codec": meta.codec,
+        "codec": codec,
         "nbytes": len(payload),
         "sha256": sha256_hex(payload),
         "payload": payload,
         **split,
-        # the learner's bookkeeping, when reported (parse_entry reads None and no without it)
-        **({} if meta.seconds is None else {"seconds": f"{float(meta.seconds):.6f}",
-                                            "final": "1" if meta.final else "0"}),
+        # the learner's bookkeeping (parse_entry reads 0 and no where an older entry lacks it)
+        "seconds": f"{float(meta.seconds):.6f}", "final": "1" if meta.final else "0",
         **({"epoch": int(meta.epoch)} if meta.epoch else {}),
         **({} if meta.chain is None else {"chain": int(meta.chain)}),
     }
@@ -256,12 +212,12 @@ def _flag_field(fields: Mapping[Any, Any], key: str) -> bool:
 def parse_entry(
     fields: Mapping[bytes | str, bytes | str], *, max_bytes: int = MAX_PAYLOAD_BYTES,
     payload_sha256: str | None = None,
-) -> tuple[EntryMeta, dict[str, QTensor]]:
+) -> tuple[PushHeader, dict[str, QTensor]]:
     """Decode a Redis stream entry built by :func:`entry_fields`.
 
     Accepts redis-py's ``dict[bytes, bytes]`` as well as str keys/values (and int values).
     Fields beyond the known ones are ignored; ``seconds``, ``final``, ``epoch`` and
-    ``chain`` may be absent (None, no, 0, None).
+    ``chain`` may be absent (0, no, 0, None).
 
     Args:
         fields: The entry's fields.
@@ -270,7 +226,7 @@ def parse_entry(
             syncer hashes a batch of entries on worker threads); None: computed here.
 
     Returns:
-        The plain fields and the tensors.
+        The push's header (:class:`pipeline.contribution.PushHeader`) and its tensors.
 
     Raises:
         DecodeError: On a missing or malformed field, a size or checksum mismatch (checked
@@ -280,17 +236,18 @@ def parse_entry(
     if not isinstance(fields, Mapping):
         raise DecodeError(f"stream entry must be a mapping, got {type(fields).__name__}")
     ints = {key: _int_field(fields, key) for key in _ENTRY_INT_FIELDS}
-    meta = EntryMeta(
-        learner=_text_field(fields, "learner"), codec=_text_field(fields, "codec"), **ints,
-        seconds=_seconds_field(fields), final=_flag_field(fields, "final"),
+    codec = _text_field(fields, "codec")
+    meta = PushHeader(
+        learner=_text_field(fields, "learner"), **ints,
+        seconds=_seconds_field(fields) or 0.0, final=_flag_field(fields, "final"),
         epoch=_int_field(fields, "epoch") if _optional(fields, "epoch") is not None else 0,
         chain=_int_field(fields, "chain") if _optional(fields, "chain") is not None else None,
     )
     if meta.chain is not None and meta.chain > meta.step:
         raise DecodeError(f"field 'chain' ({meta.chain}) is after the entry's step "
                           f"({meta.step})")
-    if meta.codec not in CODECS:
-        raise DecodeError(f"unknown codec {_r(meta.codec)}")
+    if codec not in CODECS:
+        raise DecodeError(f"unknown codec {_r(codec)}")
     nbytes = _int_field(fields, "nbytes")
     sha = _text_field(fields, "sha256")
     parts = payload_pieces(fields)
@@ -305,6 +262,6 @@ def parse_entry(
     del parts
     tensors = unpack_tensors(payload, max_bytes=max_bytes)
     for name, q in tensors.items():
-        if q.codec != meta.codec:
-            raise DecodeError(f"{_r(name)} uses codec {_r(q.codec)}, entry says {_r(meta.codec)}")
+        if q.codec != codec:
+            raise DecodeError(f"{_r(name)} uses codec {_r(q.codec)}, entry says {_r(codec)}")
     return meta, tensors

@@ -30,6 +30,7 @@ from broker.records import (
     SyncerFinal,
     SyncerInfo,
 )
+from pipeline.contribution import MergeRecord
 
 EVENTS_MAX = 100_000
 log = logging.getLogger("diloco.registry")
@@ -337,7 +338,7 @@ def refusal(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Refus
         return None
 
 
-def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Merged | None:
+def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> MergeRecord | None:
     """The last merged push of `learner` to `fragment` (None: none, or a malformed record).
     The syncer writes these records in each round's commit (`broker.streams.FragmentStreams.
     commit_round`), so a learner that reads a round's value or snapshot finds its record."""
@@ -345,7 +346,8 @@ def merged(r: redis.Redis, keys: RunKeys, learner: str, fragment: int) -> Merged
     if raw is None:
         return None
     try:
-        return Merged.from_json(raw, f"merge record of {learner!r}")
+        m = Merged.from_json(raw, f"merge record of {learner!r}")
+        return MergeRecord(m.base_version, m.step, m.version)
     except DecodeError as e:
         log.warning("ignored: %s", e)
         return None

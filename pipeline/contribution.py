@@ -1,40 +1,76 @@
 """What one learner contributes to one fragment, on both sides of the wire.
 
-:class:`Push` is what a learner sends (δ = base − θ, quantised for the up link),
-:class:`Contribution` what the syncer's state machine merges (the same numbers as received),
+:class:`PushHeader` holds the facts of one push; :class:`Push` is what a learner sends (a
+header and δ = base − θ, quantised for the up link), :class:`Contribution` what the syncer's
+state machine merges (the same header and numbers, as received),
 and :class:`Reason` with its :class:`Drop` kind says why a contribution was refused. Pure data:
 the wire encoding is `broker.codec`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+from typing import NamedTuple
 
 import numpy as np
 
 from pipeline import quant
 
 
-@dataclass
-class Push:
-    """A contribution to send: δ = base − θ of one fragment, quantised for the up link."""
+@dataclass(frozen=True)
+class PushHeader:
+    """The facts of one push, one type from the learner that makes it, through the stream
+    entry that carries it (`broker.entries`), to the syncer that merges it and remembers it
+    (`pipeline.syncer.FragmentSyncer.last_merged`): who sent it (its learner, and the epoch its
+    process claimed: 0 for none), where (fragment, base version, step), the progress it
+    carries (steps, tokens, learner-seconds: goodput's unit), the step of its chain's first
+    push (a push that supersedes one not known to be merged carries that one's progress too
+    and continues its chain; None: a chain of its own, or an entry of a version before
+    chains), and whether it is its learner's last push of the fragment (the end-of-run flush).
+    Equality is the push's identity and content: the run's bookkeeping is left out."""
 
+    learner: str
     fragment: int
     base_version: int
     step: int
     steps: int
     tokens: int
-    payload: dict[str, quant.QTensor]
-    seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
-    # the step of the first push of its chain: a push that supersedes one not known to be
-    # merged carries that one's progress too and continues its chain (the syncer counts a
-    # push only by what it adds to its chain's merged push); None: a chain of its own
-    chain: int | None = None
+    seconds: float = field(default=0.0, compare=False)
+    chain: int | None = field(default=None, compare=False)
+    final: bool = field(default=False, compare=False)
+    epoch: int = field(default=0, compare=False)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Identity for deduplication: (learner, base_version, step)."""
+        return (self.learner, self.base_version, self.step)
+
+    def header(self) -> PushHeader:
+        """The header alone (of a push or a contribution: without its tensors)."""
+        return PushHeader(**{f.name: getattr(self, f.name) for f in fields(PushHeader)})
+
+
+@dataclass(frozen=True)
+class Push(PushHeader):
+    """A contribution to send: δ = base − θ of one fragment, quantised for the up link."""
+
+    payload: dict[str, quant.QTensor] = field(kw_only=True)
 
     @property
     def nbytes(self) -> int:
         return sum(quant.payload_nbytes(q) for q in self.payload.values())
+
+
+class MergeRecord(NamedTuple):
+    """A round merged a learner's push (its base version and step) into `version`: what the
+    syncer commits for each learner with a round (`broker.records.Merged` is its JSON form),
+    publishes with the round's value (`broker.codec.GlobalHeader.merged`), and what tells a
+    learner's "rebase" rule which of its pushes a value holds."""
+
+    base_version: int
+    step: int
+    version: int
 
 
 def poisoned(push: Push, kind: str, scale: float, codec: str, block: int) -> Push:
@@ -102,29 +138,18 @@ class Reason(str):
         return (Reason, (self.kind, str(self)))
 
 
-@dataclass
-class Contribution:
-    """One push: δ = base − θ of one fragment from one learner, quantised or fp32."""
+@dataclass(frozen=True)
+class Contribution(PushHeader):
+    """One push as the syncer merges it: its header, δ = base − θ as received (quantised or
+    fp32, decoded inside the merge), its stream entry id and payload bytes."""
 
-    learner: str
-    fragment: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    delta: dict[str, quant.QTensor | np.ndarray]  # as received (decoded inside the merge)
-    entry_id: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0  # learner-seconds of the progress it carries (goodput's unit)
-    epoch: int = 0  # its learner process's epoch (0: none claimed)
-    # the step of the first push of its chain (`Push.chain`); None: an entry of a version
-    # before chains, which the syncer takes as one chain with its learner's pushes on its base
-    chain: int | None = None
-    # its learner's last push of the fragment (the end-of-run flush): under
-    # sync.final_step = "plain" the round that merges it takes a plain outer step
-    final: bool = False
+    delta: dict[str, quant.QTensor | np.ndarray] = field(kw_only=True)
+    entry_id: str = field(default="", kw_only=True)
+    nbytes: int = field(default=0, kw_only=True)
 
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """Identity for deduplication: (learner, base_version, step)."""
-        return (self.learner, self.base_version, self.step)
+    @classmethod
+    def of(cls, head: PushHeader, delta: dict[str, quant.QTensor | np.ndarray], *,
+           entry_id: str = "", nbytes: int = 0) -> Contribution:
+        """`head`'s contribution with `delta`."""
+        return cls(**{f.name: getattr(head, f.name) for f in fields(PushHeader)},
+                   delta=delta, entry_id=entry_id, nbytes=nbytes)

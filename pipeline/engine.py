@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ import numpy as np
 
 from pipeline import quant
 from pipeline.config import RunConfig
-from pipeline.contribution import poisoned
+from pipeline.contribution import MergeRecord, poisoned
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.guard import fragment_prior
 from pipeline.learner import LearnerCore, Push
@@ -47,7 +47,7 @@ DEFAULT_OVERHEAD_BYTES = 256
 class WireSizes:
     """How many bytes a push / a published value takes on the wire (injectable)."""
 
-    push: Callable[[Push, str], int] = lambda push, learner: push.nbytes + DEFAULT_OVERHEAD_BYTES
+    push: Callable[[Push], int] = lambda push: push.nbytes + DEFAULT_OVERHEAD_BYTES
     publish: Callable[[RoundResult], int] = lambda r: sum(
         quant.payload_nbytes(q) for q in r.sent.values()) + DEFAULT_OVERHEAD_BYTES
 
@@ -215,7 +215,7 @@ class Engine:
         self._pushed: dict[str, tuple[str, int, int]] = {}  # entry id → (learner, base, step)
         # (learner, fragment) → (base version, step, version) of its last merged push: what the
         # syncer's merge records tell a distributed learner (`LearnerCore.merged_lookup`)
-        self._merged: dict[tuple[str, int], tuple[int, int, int]] = {}
+        self._merged: dict[tuple[str, int], MergeRecord] = {}
         self.now = 0.0
         first = self._eval(self._global(), 0, 0.0)
         tps = self._tokens_per_step()
@@ -285,7 +285,7 @@ class Engine:
         lr.blocked = lr.core.blocked(lr.step)
 
     def _send(self, lr: _Learner, push: Push, t_s: float, final: bool = False) -> None:
-        nbytes = self.wire.push(push, lr.name)
+        nbytes = self.wire.push(push)
         lr.bytes_sent += nbytes
         eng = self.cfg.engine
         arrive = t_s + eng.latency_s + nbytes * 8 / eng.bandwidth_bps
@@ -293,11 +293,10 @@ class Engine:
             push = poisoned(push, eng.poison, eng.poison_scale, self.sync.codec_up,
                             self.sync.quant_block)
             self.poisoned += 1
-        c = Contribution(lr.name, push.fragment, push.base_version, push.step, push.steps,
-                         push.tokens, dict(push.payload),
-                         entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes,
-                         seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch,
-                         chain=push.chain, final=final)
+        c = Contribution.of(
+            replace(push.header(), seconds=push.steps * eng.step_s / lr.speed, epoch=lr.epoch,
+                    final=final), dict(push.payload),
+            entry_id=f"{lr.name}:{push.fragment}:{push.step}", nbytes=nbytes)
         self._pushed[c.entry_id] = (lr.name, push.base_version, push.step)
         self._push_event(arrive, "arrive", c)
 
@@ -305,7 +304,7 @@ class Engine:
         s = self.syncers[c.fragment]
         ok, reason = s.offer(c, self.now, self.task.tokens_per_step())
         if ok:
-            c.delta = {}  # merged into the running sums: nothing kept per contribution
+            c.delta.clear()  # merged into the running sums: nothing kept per contribution
         elif reason.kind is Drop.DEFER:
             self.deferred[c.fragment].append(c)
             return
@@ -347,7 +346,7 @@ class Engine:
             self.useful_s += frac * seconds
             if entry_id in self._pushed:
                 name, base, step = self._pushed.pop(entry_id)
-                self._merged[(name, p)] = (base, step, result.version)
+                self._merged[(name, p)] = MergeRecord(base, step, result.version)
         self.on_event("round", {"fragment": p, "version": result.version,
                                 "included": len(result.included), "dropped": len(result.dropped),
                                 "reason": reason, "time_s": self.now})
@@ -371,9 +370,10 @@ class Engine:
     def _merged_lookup(self, name: str, p: int, f) -> tuple[int, dict] | None:
         """As a distributed learner reads the merge records and a snapshot: the value of the
         version that merged learner `name`'s push in flight (the latest if no longer held)."""
-        if self._merged.get((name, p), (None, None))[:2] != f.key:
+        m = self._merged.get((name, p))
+        if m is None or (m.base_version, m.step) != f.key:
             return None
-        version = self._merged[(name, p)][2]
+        version = m.version
         s = self.syncers[p]
         if version not in s.history:
             version = s.version

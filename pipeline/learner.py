@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from pipeline import quant
 from pipeline.config import SyncConfig
-from pipeline.contribution import Push
+from pipeline.contribution import MergeRecord, Push
 from pipeline.fragments import due_fragment
 from pipeline.model import Params
 
@@ -39,9 +40,18 @@ DEFER = "defer"  # merged_lookup's answer when it cannot tell now: push at the n
 # holds (its broker is unreachable, a value restored from a checkpoint): the "rebase" rule
 # then takes the value as holding the push in flight
 UNKNOWN = "unknown"
-# `on_global`'s `merged`: (base_version, step) of this learner's last push of the fragment
-# that a round merged, and the version that round made; None when none was merged
-MergedPush = tuple[int, int, int]
+
+
+class MergedValue(NamedTuple):
+    """A merged value on its way to the training loop (the network thread's inbox, then the
+    core's pending value of its fragment): the fragment, its version, its fp32 values, and
+    this learner's last push of the fragment that a round merged as of that version (None:
+    none; `UNKNOWN`: the driver cannot tell)."""
+
+    fragment: int
+    version: int
+    value: dict[str, np.ndarray]
+    merged: MergeRecord | str | None = UNKNOWN
 
 
 def _seconds(v) -> float:
@@ -126,10 +136,9 @@ class LearnerCore:
         # seconds, one that overwrites it drops them with it)
         self.seconds = [0.0] * P
         self.inflight: list[_InFlight | None] = [None] * P
-        self.pending: list[tuple[int, dict[str, np.ndarray]] | None] = [None] * P
-        # per fragment, what the driver knew of the pending value: the last push of this
-        # learner merged up to it (`on_global`'s `merged`)
-        self.pending_merged: list[MergedPush | str | None] = [UNKNOWN] * P
+        # per fragment, the merged value taken and not applied yet, with what the driver knew
+        # of it: the last push of this learner merged up to it (`on_global`'s `merged`)
+        self.pending: list[MergedValue | None] = [None] * P
         self.applied = 0
         # (fragment, the push in flight) → (version, value) if a round merged that push (the
         # value of that version or a later one), None if none did, DEFER if it cannot tell
@@ -205,9 +214,8 @@ class LearnerCore:
         self.residual[p] = f.carried if f.sent_step is None else None
         self._count_since(p, f)
         self.inflight[p] = None
-        self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
-                                     for n in self.fragments[p]})
-        self.pending_merged[p] = (*f.key, version)
+        self.pending[p] = MergedValue(p, version, self._fp32(p, value),
+                                      MergeRecord(*f.key, version))
         self.rebased_merged += 1
         return self._apply(p, params)
 
@@ -245,11 +253,11 @@ class LearnerCore:
         self.inflight[p] = _InFlight(step, self.base_version[p], keep, self.steps[p],
                                      self.tokens[p], payload, carried,
                                      seconds_at_push=self.seconds[p], chain=chain)
-        return Push(p, self.base_version[p], step, self.steps[p], self.tokens[p], payload,
-                    self.seconds[p], chain)
+        return Push(self.id, p, self.base_version[p], step, self.steps[p], self.tokens[p],
+                    self.seconds[p], chain, payload=payload)
 
     def on_global(self, p: int, version: int, value: Mapping[str, np.ndarray],
-                  merged: MergedPush | str | None = UNKNOWN) -> bool:
+                  merged: MergeRecord | str | None = UNKNOWN) -> bool:
         """Take a merged value of fragment p; False if it is not newer than what we have.
 
         `merged` (read by the driver when the value arrived, used by the "rebase" rule): the
@@ -257,15 +265,19 @@ class LearnerCore:
         None if none was, `UNKNOWN` if the driver cannot tell. A value older than that
         round's is dropped: the round's own value is on its way, and only it holds the push.
         """
-        newest = self.pending[p][0] if self.pending[p] else self.base_version[p]
+        if not (merged is None or isinstance(merged, MergeRecord) or merged == UNKNOWN):
+            raise TypeError(f"merged must be a MergeRecord, None or UNKNOWN, got {merged!r}")
+        newest = self.pending[p].version if self.pending[p] else self.base_version[p]
         if version <= newest:
             return False
-        if self.cfg.apply == "rebase" and isinstance(merged, tuple) and merged[2] > version:
+        if (self.cfg.apply == "rebase" and isinstance(merged, MergeRecord)
+                and merged.version > version):
             return False
-        self.pending[p] = (version, {n: np.asarray(value[n], np.float32)
-                                     for n in self.fragments[p]})
-        self.pending_merged[p] = merged
+        self.pending[p] = MergedValue(p, version, self._fp32(p, value), merged)
         return True
+
+    def _fp32(self, p: int, value: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: np.asarray(value[n], np.float32) for n in self.fragments[p]}
 
     def apply_at(self, p: int) -> int | None:
         """Step at which fragment p's pending value is applied (None: nothing pending)."""
@@ -295,7 +307,7 @@ class LearnerCore:
         return params
 
     def _apply(self, p: int, params: Params) -> Params:
-        version, value = self.pending[p]
+        _, version, value, _ = self.pending[p]
         f = self.inflight[p]
         a = self.cfg.mix_alpha
         if f is None:
@@ -348,10 +360,10 @@ class LearnerCore:
         """What fragment p's pending value holds of this learner's pushes: "push" (the one in
         flight, or the driver cannot tell), "older" (an earlier push that the one in flight
         superseded, not the one in flight) or "none" (nothing since the base)."""
-        m = self.pending_merged[p]
-        if m == UNKNOWN or (isinstance(m, tuple) and (m[0], m[1]) == f.key):
+        m = self.pending[p].merged
+        if m == UNKNOWN or (isinstance(m, MergeRecord) and (m.base_version, m.step) == f.key):
             return "push"
-        if isinstance(m, tuple) and m[2] > self.base_version[p]:
+        if isinstance(m, MergeRecord) and m.version > self.base_version[p]:
             return "older"
         return "none"
 
@@ -365,7 +377,7 @@ class LearnerCore:
         base: θ ← Θ_new + (θ − base). θ_at_push moves with θ, so that the push's own value
         later keeps exactly the progress made since the push. Counters stay: the push in
         flight still carries what it carried."""
-        version, value = self.pending[p]
+        _, version, value, _ = self.pending[p]
         anchor = f.theta_at_push if older else self.base[p]
         params = self._moved(p, params, value, anchor)
         f.theta_at_push = value if older else {

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.learner import UNKNOWN, LearnerCore, _chain, _InFlight, _seconds
+from pipeline.learner import UNKNOWN, LearnerCore, MergedValue, _chain, _InFlight, _seconds
 
 
 def core_state(core: LearnerCore) -> tuple[dict, dict[str, np.ndarray]]:
@@ -37,9 +37,9 @@ def core_state(core: LearnerCore) -> tuple[dict, dict[str, np.ndarray]]:
         if core.residual[p] is not None:
             arrays.update({f"residual{p}/{n}": v for n, v in core.residual[p].items()})
         pend = core.pending[p]
-        meta["pending"].append(None if pend is None else pend[0])
+        meta["pending"].append(None if pend is None else pend.version)
         if pend is not None:
-            arrays.update({f"pending{p}/{n}": v for n, v in pend[1].items()})
+            arrays.update({f"pending{p}/{n}": v for n, v in pend.value.items()})
     return meta, arrays
 
 def restore_core(core: LearnerCore, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
@@ -96,7 +96,9 @@ def restore_core(core: LearnerCore, meta: Mapping, arrays: Mapping[str, np.ndarr
             for p, f in enumerate(meta["inflight"])]
         # a checkpoint without residuals (older, or error feedback off): they start at zero
         residual = [optional("residual", p) for p in range(P)]
-        pending = [None if v is None else (int(v), group("pending", p))
+        # what the driver knew of a pending value is not saved: a restored one counts as
+        # unknown
+        pending = [None if v is None else MergedValue(p, int(v), group("pending", p), UNKNOWN)
                    for p, v in enumerate(meta["pending"])]
     except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
         raise ValueError(f"checkpoint's bookkeeping is malformed: {e!r}") from None
@@ -104,5 +106,4 @@ def restore_core(core: LearnerCore, meta: Mapping, arrays: Mapping[str, np.ndarr
     core.seconds = seconds
     core.applied, core.inflight, core.residual, core.pending = (applied, inflight, residual,
                                                                 pending)
-    core.pending_merged = [UNKNOWN] * P  # not saved: a restored value counts as unknown
     core.chain_next = [None] * P  # a restored process's pushes repeat no older one's

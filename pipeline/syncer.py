@@ -7,12 +7,12 @@ restored by `from_state_dict`.
 
 A push superseding an earlier one of its learner (sent because the earlier one's merged value
 was late, and not known to be merged) carries the earlier one's progress too; the two are one
-*chain* (`Push.chain`: the step of the chain's first push), whether or not the learner took a
-value, and so moved its base, in between. If a round merged the earlier one first, the later
-one repeats its steps, tokens and seconds: the syncer remembers each learner's last merged push
-(`MergedPush`) and counts, weights and records only what a push of the same chain, of the same
-learner process, adds to it; an earlier push of the chain that arrives after a later one was
-merged is refused as superseded (its progress is merged already).
+*chain* (`PushHeader.chain`: the step of the chain's first push), whether or not the learner
+took a value, and so moved its base, in between. If a round merged the earlier one first, the
+later one repeats its steps, tokens and seconds: the syncer remembers each learner's last
+merged push (its `PushHeader`) and counts, weights and records only what a push of the same
+chain, of the same learner process, adds to it; an earlier push of the chain that arrives after
+a later one was merged is refused as superseded (its progress is merged already).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.contribution import Contribution, Drop, Reason
+from pipeline.contribution import Contribution, Drop, PushHeader, Reason
 from pipeline.downlink import encode_down, full_value
 from pipeline.guard import NormGuard, token_bound
 from pipeline.history import History
@@ -78,18 +77,6 @@ class RoundResult:
     # learner-seconds of new progress each included contribution carried (its own, less the
     # merged push of its learner it repeats), in `included`'s order
     seconds: list[float] = field(default_factory=list)
-
-
-class MergedPush(NamedTuple):
-    """A learner's last merged push to a fragment, with the counts it carried."""
-
-    epoch: int
-    base_version: int
-    step: int
-    steps: int
-    tokens: int
-    seconds: float
-    chain: int | None = None  # the step of its chain's first push (None: of no chain)
 
 
 # learners whose last merged push a syncer remembers (the most recently merged): a few per
@@ -159,7 +146,7 @@ class FragmentSyncer:
         self.seen: set[tuple[str, int, int]] = set()
         # learner → its last push merged here, least recently merged first: a later push of
         # its chain repeats it
-        self.last_merged: OrderedDict[str, MergedPush] = OrderedDict()
+        self.last_merged: OrderedDict[str, PushHeader] = OrderedDict()
         # under sync.final_step = "plain", the learners whose last push of the fragment
         # (`Contribution.final`) a round merged, first merged first: a later push of theirs
         # is refused, so that a learner gets at most one plain round (under "nesterov" the
@@ -293,7 +280,7 @@ class FragmentSyncer:
             r.quorum_reached_s = now_s
         return True, "accepted"
 
-    def _repeats(self, c: Contribution) -> MergedPush | None:
+    def _repeats(self, c: Contribution) -> PushHeader | None:
         """The merged push of c's learner whose progress c holds (or, if c is older, which
         holds c's): one of the same process (epoch) and chain. An entry without a chain (a
         version before chains) takes its learner's pushes on its base as its chain. None for
@@ -403,8 +390,7 @@ class FragmentSyncer:
         self.seen = {k for k in self.seen if k[1] >= oldest}
         for c in r.contributors.values():
             self.last_merged.pop(c.learner, None)
-            self.last_merged[c.learner] = MergedPush(c.epoch, c.base_version, c.step, c.steps,
-                                                     c.tokens, c.seconds, c.chain)
+            self.last_merged[c.learner] = c.header()
         # not pruned by staleness: a chain goes on over newer bases (a push of it can repeat a
         # merged push whose own base is long stale)
         while len(self.last_merged) > MAX_MERGED_KEPT:
@@ -452,7 +438,8 @@ class FragmentSyncer:
             "seen": sorted([list(k) for k in self.seen - self._round.keys]),
             "sync_time_s": self.sync_time_s,
             "norms": list(self.guard.recent) if self.guard is not None else [],
-            "merged_pushes": [[n, *m] for n, m in self.last_merged.items()],
+            "merged_pushes": [[n, m.epoch, m.base_version, m.step, m.steps, m.tokens, m.seconds,
+                               m.chain] for n, m in self.last_merged.items()],
         }
         if self.finished:  # only then: a syncer of an earlier version reads the rest
             state["finished"] = list(self.finished)
@@ -478,8 +465,8 @@ class FragmentSyncer:
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
         # broker.state.unpack_state reads the older form ("merged_last", without chains)
         s.last_merged = OrderedDict(
-            (str(n), MergedPush(int(e), int(b), int(st), int(k), int(t), float(x),
-                                None if chain is None else int(chain)))
+            (str(n), PushHeader(str(n), s.fragment, int(b), int(st), int(k), int(t), float(x),
+                                None if chain is None else int(chain), epoch=int(e)))
             for n, e, b, st, k, t, x, chain in d.get("merged_pushes", ())[-MAX_MERGED_KEPT:])
         s.finished = dict.fromkeys(str(n) for n in d.get("finished", ())[-MAX_MERGED_KEPT:])
         if s.guard is not None:

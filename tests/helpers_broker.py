@@ -22,13 +22,14 @@ import numpy as np
 import redis
 
 from broker import codec, pieces, registry
-from broker.entries import EntryMeta, entry_fields
+from broker.entries import entry_fields
 from broker.keys import GROUP, FragmentKeys, RunKeys
 from broker.state import unpack_state
 from broker.streams import FragmentStreams
 from pipeline import config as cfgmod
 from pipeline import quant
 from pipeline.config import RunConfig
+from pipeline.contribution import PushHeader
 from pipeline.fragments import partition
 from pipeline.model import is_embedding, param_shapes
 
@@ -88,8 +89,8 @@ def contribution_fields(learner: str, p: int, delta: Mapping[str, np.ndarray], *
                         final: bool = False) -> dict[str, Any]:
     """The fields a learner XADDs for one push (as `workers.learner` builds them)."""
     tensors = {n: quant.quantize(v, codec_name, 64) for n, v in delta.items()}
-    fields = entry_fields(
-        EntryMeta(learner, p, base_version, step, steps, tokens, codec_name), tensors)
+    fields = entry_fields(PushHeader(learner, p, base_version, step, steps, tokens), tensors,
+                          codec_name)
     fields["seconds"] = f"{seconds:.6f}"
     fields["final"] = "1" if final else "0"
     return fields

@@ -25,8 +25,9 @@ from broker.codec import (
     unpack_snapshot,
     unpack_tensors,
 )
-from broker.entries import EntryMeta, entry_fields, parse_entry
+from broker.entries import entry_fields, parse_entry
 from broker.errors import DecodeError
+from pipeline.contribution import Contribution, PushHeader
 from pipeline.quant import CODECS, QTensor, dequantize, quantize
 
 SHAPES = [(), (0,), (1,), (5,), (3, 7), (2, 0, 4), (65,), (129,)]
@@ -67,12 +68,11 @@ def _redis_style(fields: dict) -> dict[bytes, bytes]:
     return out
 
 
-META = EntryMeta("learner-3", 12, 40, 1000, 500, 2_048_000, "int4")
+META = PushHeader("learner-3", 12, 40, 1000, 500, 2_048_000)
 
 
 def _entry(codec_name: str = "int4", seed: int = 0) -> dict[bytes, bytes]:
-    meta = EntryMeta("learner-3", 12, 40, 1000, 500, 2_048_000, codec_name)
-    return _redis_style(entry_fields(meta, _tensors(codec_name, seed)))
+    return _redis_style(entry_fields(META, _tensors(codec_name, seed), codec_name))
 
 
 # ------------------------------------------------------------------------ round trips
@@ -103,9 +103,9 @@ def test_pack_tensors_empty_mapping_and_odd_block() -> None:
 
 @pytest.mark.parametrize("codec_name", CODECS)
 def test_entry_round_trip_with_redis_bytes(codec_name: str) -> None:
-    meta = EntryMeta("learner-3", 12, 40, 1000, 500, 2_048_000, codec_name)
+    meta = dataclasses.replace(META, seconds=2.5, final=True)
     tensors = _tensors(codec_name)
-    fields = entry_fields(meta, tensors)
+    fields = entry_fields(meta, tensors, codec_name)
     assert set(fields) == {
         "learner",
         "fragment",
@@ -117,11 +117,13 @@ def test_entry_round_trip_with_redis_bytes(codec_name: str) -> None:
         "nbytes",
         "sha256",
         "payload",
+        "seconds",
+        "final",
     }
     assert fields["nbytes"] == len(fields["payload"])
     assert fields["sha256"] == sha256_hex(fields["payload"])
     got_meta, got = parse_entry(_redis_style(fields))
-    assert got_meta == meta
+    assert got_meta == meta and (got_meta.seconds, got_meta.final) == (2.5, True)
     _assert_same(tensors, got)
     # str keys / int values (as a caller building the dict by hand would) also work.
     got_meta2, _ = parse_entry(fields)
@@ -132,10 +134,10 @@ def test_an_entry_carries_its_learner_process_epoch() -> None:
     """The epoch goes on the wire only when set (an entry without one reads as epoch 0, as
     entries written before epochs do); a malformed epoch is refused like any bad field."""
     tensors = _tensors("int4")
-    plain = entry_fields(META, tensors)
+    plain = entry_fields(META, tensors, "int4")
     assert "epoch" not in plain and parse_entry(_redis_style(plain))[0].epoch == 0
     meta = dataclasses.replace(META, epoch=7)
-    fields = entry_fields(meta, tensors)
+    fields = entry_fields(meta, tensors, "int4")
     assert fields["epoch"] == 7
     got, _ = parse_entry(_redis_style(fields))
     assert got.epoch == 7 and got == META  # bookkeeping: not part of the entry's identity
@@ -143,7 +145,7 @@ def test_an_entry_carries_its_learner_process_epoch() -> None:
         with pytest.raises(DecodeError, match="epoch"):
             parse_entry({**_redis_style(fields), b"epoch": bad})
     with pytest.raises(ValueError, match="epoch"):
-        entry_fields(dataclasses.replace(META, epoch=-1), tensors)
+        entry_fields(dataclasses.replace(META, epoch=-1), tensors, "int4")
 
 
 def test_an_entry_carries_its_chain() -> None:
@@ -151,31 +153,34 @@ def test_an_entry_carries_its_chain() -> None:
     wire when set; an entry without one (a version before chains) reads as None. A chain
     that is not an int, or after the entry's own step, is refused."""
     tensors = _tensors("int4")
-    plain = entry_fields(META, tensors)
+    plain = entry_fields(META, tensors, "int4")
     assert "chain" not in plain and parse_entry(_redis_style(plain))[0].chain is None
-    fields = entry_fields(dataclasses.replace(META, chain=990), tensors)
+    fields = entry_fields(dataclasses.replace(META, chain=990), tensors, "int4")
     assert fields["chain"] == 990
     got, _ = parse_entry(_redis_style(fields))
-    assert got.chain == 990 and got.contribution({}).chain == 990
+    assert got.chain == 990 and Contribution.of(got, {}).chain == 990
     assert parse_entry(_redis_style(entry_fields(dataclasses.replace(META, chain=META.step),
-                                                 tensors)))[0].chain == META.step
+                                                 tensors, "int4")))[0].chain == META.step
     for bad in (b"-1", b"x", b"", b"9" * 20, str(META.step + 1).encode()):
         with pytest.raises(DecodeError, match="chain"):
             parse_entry({**_redis_style(fields), b"chain": bad})
     for bad in (-1, META.step + 1, "3", 2.0):
         with pytest.raises(ValueError, match="chain"):
-            entry_fields(dataclasses.replace(META, chain=bad), tensors)
+            entry_fields(dataclasses.replace(META, chain=bad), tensors, "int4")
 
 
 def test_entry_fields_rejects_codec_mismatch_and_bad_meta() -> None:
     with pytest.raises(ValueError):
-        entry_fields(META, _tensors("int8"))
+        entry_fields(META, _tensors("int8"), "int4")
     with pytest.raises(ValueError):
-        entry_fields(EntryMeta("l", -1, 0, 0, 0, 0, "int4"), {})
+        entry_fields(PushHeader("l", -1, 0, 0, 0, 0), {}, "int4")
     with pytest.raises(ValueError):
-        entry_fields(EntryMeta("", 1, 0, 0, 0, 0, "int4"), {})
+        entry_fields(PushHeader("", 1, 0, 0, 0, 0), {}, "int4")
     with pytest.raises(ValueError):
-        entry_fields(EntryMeta("l", 1, 0, 0, 0, 0, "int3"), {})
+        entry_fields(PushHeader("l", 1, 0, 0, 0, 0), {}, "int3")
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="seconds"):
+            entry_fields(PushHeader("l", 1, 0, 0, 0, 0, seconds=bad), {}, "int4")
 
 
 @pytest.mark.parametrize("codec_name", CODECS)
@@ -256,7 +261,7 @@ def test_oversized_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) ->
     blob = pack_tensors(tensors)
     snap = pack_snapshot("r", 1, 1, tensors)
     frames = global_frames("r", 1, 1, tensors)
-    entry = entry_fields(EntryMeta("l", 1, 0, 0, 0, 0, "int8"), tensors)
+    entry = entry_fields(PushHeader("l", 1, 0, 0, 0, 0), tensors, "int8")
     monkeypatch.setattr(msgpack, "unpackb", spy)
     with pytest.raises(DecodeError, match="limit"):
         unpack_tensors(blob, max_bytes=len(blob) - 1)
@@ -291,7 +296,7 @@ def test_entry_checksum_and_field_errors() -> None:
         with pytest.raises(DecodeError):
             parse_entry({**good, **patch})
             pytest.fail(label)
-    for key in list(good):
+    for key in set(good) - {b"seconds", b"final"}:  # those two: optional (older entries)
         with pytest.raises(DecodeError):
             parse_entry({k: v for k, v in good.items() if k != key})
     # A flipped payload bit with a matching nbytes field is caught by the checksum.

@@ -35,8 +35,8 @@ def _round(s: FragmentSyncer, i: int, scale: float = 1e-2):
     rng = np.random.default_rng(100 + i)
     delta = {n: quant.quantize(rng.normal(0, scale, v.shape).astype(np.float32), "int4")
              for n, v in s.theta.items()}
-    ok, why = s.offer(Contribution("L0", s.fragment, s.version, 10 * (i + 1), 10, 1000, delta,
-                                   entry_id=f"{i + 1}-0"), float(i))
+    ok, why = s.offer(Contribution("L0", s.fragment, s.version, 10 * (i + 1), 10, 1000,
+                                   delta=delta, entry_id=f"{i + 1}-0"), float(i))
     assert ok, why
     return s.close(float(i), "quorum")
 

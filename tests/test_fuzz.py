@@ -51,7 +51,7 @@ from broker.codec import (
     unpack_snapshot,
     unpack_tensors,
 )
-from broker.entries import EntryMeta, entry_fields, parse_entry
+from broker.entries import entry_fields, parse_entry
 from broker.errors import DecodeError
 from broker.records import (
     Drop,
@@ -65,6 +65,7 @@ from broker.records import (
     SyncerInfo,
 )
 from broker.state import pack_state, unpack_state
+from pipeline.contribution import PushHeader
 from pipeline.quant import CODECS, data_nbytes, num_blocks, quantize
 
 N = 50  # examples of each property by default; the slow variants run 10x as many
@@ -150,7 +151,7 @@ def _q(shape, codec_name: str, block: int = 4, seed: int = 0):
 TENSORS = {"w": _q((2, 3), "fp32"), "b": _q((), "bf16"), "e": _q((5,), "int8", 2),
            "f": _q((3,), "int4", 2), "z": _q((0,), "fp32")}
 INT8 = {"a": _q((4,), "int8", 3, 1), "m/b": _q((2, 2), "int8", 4, 2)}
-META = EntryMeta("L0", 7, 3, 120, 10, 2560, "int8")
+META = PushHeader("L0", 7, 3, 120, 10, 2560)
 PAYLOAD = pack_tensors(INT8)
 MIXED = pack_tensors(TENSORS)
 RUN, FRAG, VERSION = "run-1", 7, 3
@@ -185,7 +186,7 @@ ARCHIVE_ROWS = [("5-0", {b"learner": b"L0", b"payload": b"\x00\x01\x02"}),
 def entry_of(payload: bytes, **extra: bytes) -> dict[bytes, bytes]:
     """An entry of META around `payload`, re-hashed so it passes the integrity checks."""
     fields = {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
-              for k, v in entry_fields(META, INT8).items()}
+              for k, v in entry_fields(META, INT8, "int8").items()}
     fields.update({b"payload": payload, b"nbytes": b"%d" % len(payload),
                    b"sha256": sha256_hex(payload).encode(), **extra})
     return fields
@@ -704,9 +705,9 @@ def _entry_fields(fields, base):
     got = decoded(parse_entry, entry)
     if got is not None:  # what is accepted is a valid entry: it encodes again
         meta, tensors = got
-        assert meta.codec == "int8" and meta.learner
-        assert meta.seconds is None or (math.isfinite(meta.seconds) and meta.seconds >= 0)
-        entry_fields(meta, tensors)
+        assert meta.learner and math.isfinite(meta.seconds) and meta.seconds >= 0
+        assert all(q.codec == tensors[next(iter(tensors))].codec for q in tensors.values())
+        entry_fields(meta, tensors, next(iter(tensors.values())).codec if tensors else "int8")
 
 
 test_entry_fields, test_entry_fields_slow = _entry_fields

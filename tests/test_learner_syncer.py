@@ -13,7 +13,7 @@ import pytest
 from broker.state import pack_state, unpack_state
 from pipeline import quant
 from pipeline.config import OuterConfig, SyncConfig
-from pipeline.contribution import Drop, Reason
+from pipeline.contribution import Drop, MergeRecord, PushHeader, Reason
 from pipeline.fragments import partition
 from pipeline.learner import DEFER, LearnerCore
 from pipeline.model import is_embedding
@@ -100,9 +100,9 @@ def test_on_global_not_newer_is_refused():
     assert core.on_global(1, 1, V) is True
     assert core.on_global(1, 1, V) is False  # equal to the pending version
     assert core.on_global(1, 0, V) is False
-    assert core.pending[1][0] == 1
+    assert core.pending[1].version == 1
     assert core.on_global(1, 2, V) is True  # a newer one replaces the pending one
-    assert core.pending[1][0] == 2
+    assert core.pending[1].version == 2
 
 
 def test_overwrite_applied_tau_steps_after_push():
@@ -183,7 +183,7 @@ def test_rebase_onto_a_round_that_did_not_hold_the_push_keeps_it_in_flight():
     assert core.steps[1] == 3  # the push still carries its 2 steps; nothing dropped
     # the push's own round (v2, merged (0, 2)): keep the one step since the push
     V2 = {FC: np.array([100.0, 200.0, 300.0], F32)}
-    assert core.on_global(1, 2, V2, (0, 2, 2))
+    assert core.on_global(1, 2, V2, MergeRecord(0, 2, 2))
     params = core.apply_due(3, params)
     np.testing.assert_array_equal(np_(params, FC), V2[FC] - G[FC])
     assert core.inflight[1] is None and core.steps[1] == 1 and core.base_version == [0, 2]
@@ -197,13 +197,13 @@ def test_rebase_onto_a_round_that_held_an_older_superseded_push():
     params, pushes = run(core, params, range(1, 11))  # fragment 1: pushes at 2 and 10
     assert [p.step for p in pushes[2] + pushes[10] if p.fragment == 1] == [2, 10]
     assert core.inflight[1].key == (0, 10)
-    assert core.on_global(1, 1, V, (0, 2, 1))  # v1 merged the push of step 2 only
+    assert core.on_global(1, 1, V, MergeRecord(0, 2, 1))  # v1 merged the push of step 2 only
     params, _ = run(core, params, [11])  # θ = B − 11G → V + (θ − θ_at_push) = V − G
     np.testing.assert_array_equal(np_(params, FC), V[FC] - G[FC])
     assert core.inflight[1].key == (0, 10) and core.base_version[1] == 1
     np.testing.assert_array_equal(core.inflight[1].theta_at_push[FC], V[FC])
     V2 = {FC: np.array([100.0, 200.0, 300.0], F32)}
-    assert core.on_global(1, 2, V2, (0, 10, 2))
+    assert core.on_global(1, 2, V2, MergeRecord(0, 10, 2))
     params = core.apply_due(11, params)
     np.testing.assert_array_equal(np_(params, FC), V2[FC] - G[FC])
     assert core.inflight[1] is None and core.steps[1] == 1
@@ -214,13 +214,13 @@ def test_rebase_drops_a_value_older_than_the_round_that_merged_the_push():
     way (the syncer records before it publishes), and only it holds the push."""
     core, params = make(REBASE)
     params, _ = run(core, params, range(1, 3))
-    assert not core.on_global(1, 1, V, (0, 2, 2))
+    assert not core.on_global(1, 1, V, MergeRecord(0, 2, 2))
     assert core.pending[1] is None
-    assert core.on_global(1, 2, V, (0, 2, 2))
+    assert core.on_global(1, 2, V, MergeRecord(0, 2, 2))
     # "overwrite" does not ask: it takes any newer value
     core, params = make()
     params, _ = run(core, params, range(1, 3))
-    assert core.on_global(1, 1, V, (0, 2, 2))
+    assert core.on_global(1, 1, V, MergeRecord(0, 2, 2))
 
 
 def test_overwrite_keeps_no_theta_at_push():
@@ -340,8 +340,7 @@ def test_end_to_end_two_learners():
 
     def deliver(m, push):
         clock[0] += 0.1
-        c = Contribution(m, push.fragment, push.base_version, push.step, push.steps,
-                         push.tokens, decoded(push), entry_id=f"{m}{push.step}")
+        c = Contribution.of(push, decoded(push), entry_id=f"{m}{push.step}")
         return syncers[push.fragment].offer(c, clock[0])
 
     def close_and_publish(p):
@@ -434,7 +433,7 @@ def test_end_to_end_stale_learner_is_anchored():
     pa = inner(pa, GA)
     pa, push_a = cores["a"].after_step(2, 8, pa)
     ca = push_a[0]
-    s.offer(Contribution("a", 1, ca.base_version, 2, ca.steps, ca.tokens, decoded(ca)), 1.0)
+    s.offer(Contribution("a", 1, ca.base_version, 2, ca.steps, ca.tokens, delta=decoded(ca)), 1.0)
     r1 = s.close(1.1, "quorum 1")
     # Θ(1) = Θ(0) − δ_a = θ_a = [1, 2, 3] − [3, 4, 0] = [−2, −2, 3]
     np.testing.assert_allclose(r1.theta[FC], [-2, -2, 3], rtol=1e-6)
@@ -445,7 +444,7 @@ def test_end_to_end_stale_learner_is_anchored():
     cb = push_b[0]
     assert cb.base_version == 0
     assert s.offer(Contribution("b", 1, cb.base_version, 2, cb.steps, cb.tokens,
-                                decoded(cb)), 2.0) == (True, "accepted")
+                                delta=decoded(cb)), 2.0) == (True, "accepted")
     r2 = s.close(2.1, "quorum 1")
     # Δ = Θ(1) − Θ(0) + δ_b = [−3, −4, 0] + [0, 0, 5] = [−3, −4, 5];  Θ(2) = Θ(1) − Δ = θ_b
     #   = [1, 2, 3] − [0, 0, 5] = [1, 2, −2]
@@ -831,7 +830,7 @@ def _fc_syncer() -> FragmentSyncer:
 
 def _fc_push(learner, step, steps, *, base=0, epoch=1, seconds=None, scale=1.0, chain=None):
     return Contribution(learner, 1, base, step, steps, steps * TOKENS,
-                        {FC: (-G[FC] * steps * scale).astype(F32)},
+                        delta={FC: (-G[FC] * steps * scale).astype(F32)},
                         entry_id=f"{learner}-{epoch}-{step}",
                         seconds=0.5 * steps if seconds is None else seconds, epoch=epoch,
                         chain=chain)
@@ -901,7 +900,8 @@ def test_the_last_merged_pushes_survive_the_syncer_state():
     _merge(s, _fc_push("a", 4, 4))
     doc = unpack_state(pack_state(s.state_dict()))
     back = FragmentSyncer.from_state_dict(doc, OuterConfig(), s.sync_cfg, is_embedding)
-    assert back.last_merged == s.last_merged
+    assert _all_fields(back.last_merged) == _all_fields(s.last_merged)
+    assert s.last_merged["a"] == PushHeader("a", 1, 0, 4, 4, 4 * TOKENS)  # its header
     r = _merge(back, _fc_push("a", 8, 8))
     assert (r.steps, r.seconds) == (4, [pytest.approx(2.0)])
     # a state written before the syncer kept them reads as none kept
@@ -913,7 +913,12 @@ def test_the_last_merged_pushes_survive_the_syncer_state():
     old["merged_last"] = [["a", 1, 0, 4, 4, 32, 2.0]]
     back = FragmentSyncer.from_state_dict(unpack_state(pack_state(old)), OuterConfig(),
                                           s.sync_cfg, is_embedding)
-    assert back.last_merged == {"a": (1, 0, 4, 4, 32, 2.0, None)}
+    assert _all_fields(back.last_merged) == {"a": ("a", 1, 0, 4, 4, 32, 2.0, None, False, 1)}
+
+
+def _all_fields(merged: dict[str, PushHeader]) -> dict[str, tuple]:
+    """Each header with the bookkeeping its equality leaves out."""
+    return {k: dataclasses.astuple(v) for k, v in merged.items()}
 
 
 def test_the_merged_pushes_kept_are_bounded_and_chains_survive_the_state(monkeypatch):
@@ -928,7 +933,8 @@ def test_the_merged_pushes_kept_are_bounded_and_chains_survive_the_state(monkeyp
     _merge(s, _fc_push("c", 12, 4, base=3, chain=10))
     back = FragmentSyncer.from_state_dict(unpack_state(pack_state(s.state_dict())),
                                           OuterConfig(), s.sync_cfg, is_embedding)
-    assert back.last_merged == s.last_merged and list(back.last_merged) == ["d", "c"]
+    assert _all_fields(back.last_merged) == _all_fields(s.last_merged)
+    assert list(back.last_merged) == ["d", "c"]
     assert back.last_merged["c"].chain == 10
 
 
@@ -949,7 +955,7 @@ def test_a_superseding_push_on_a_newer_base_counts_only_what_it_adds(held):
         [a0, a] = a, next(p for p in pushes[10] if p.fragment == 1)
         assert (a.base_version, a.steps) == (0, 10)
         _merge(s, _as_contribution(a0))  # v1 holds A0
-        record = (a0.base_version, a0.step, 1)
+        record = MergeRecord(a0.base_version, a0.step, 1)
     else:
         _merge(s, _fc_push("b", 2, 2, epoch=3))  # v1 closed before A arrived
         record = None
@@ -1003,9 +1009,8 @@ def test_chains_through_forgotten_pushes_restores_and_checkpoints():
 
 
 def _as_contribution(push, learner="a", epoch=1) -> Contribution:
-    return Contribution(learner, push.fragment, push.base_version, push.step, push.steps,
-                        push.tokens, decoded(push), entry_id=f"{learner}-{push.step}",
-                        seconds=push.seconds, epoch=epoch, chain=push.chain)
+    return Contribution.of(dataclasses.replace(push, learner=learner, epoch=epoch), decoded(push),
+                           entry_id=f"{learner}-{push.step}")
 
 
 def test_random_schedules_merge_no_step_of_a_learner_twice():
@@ -1050,9 +1055,8 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
             for push in pushes:
                 starts.setdefault((m, push.fragment, push.chain), push.base_version)
                 moved_chains += push.base_version != starts[(m, push.fragment, push.chain)]
-                c = Contribution(m, push.fragment, push.base_version, push.step, push.steps,
-                                 push.tokens, decoded(push), entry_id=f"{m}-{push.step}",
-                                 seconds=push.seconds, epoch=1, chain=push.chain)
+                c = Contribution.of(dataclasses.replace(push, epoch=1), decoded(push),
+                                    entry_id=f"{m}-{push.step}")
                 keys[c.entry_id] = (m, push.base_version, push.step)
                 streams[push.fragment].append((tick + int(rng.integers(0, 30)), c))
             for p, s in enumerate(syncers):
@@ -1071,7 +1075,7 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
                     values[p][r.version] = {k: quant.dequantize(q) for k, q in r.sent.items()}
                     for (entry_id, who, _, _), secs in zip(r.included, r.seconds, strict=True):
                         counted[(who, p)] += secs
-                        records[(who, p)] = (*keys[entry_id][1:], r.version)
+                        records[(who, p)] = MergeRecord(*keys[entry_id][1:], r.version)
                         upto[(who, p)] = max(upto[(who, p)], keys[entry_id][2])
                     for n in names:
                         if rng.random() < 0.7:  # else lost: a missed message

@@ -496,7 +496,7 @@ def test_non_finite_dropped(bad):
 )
 def test_wrong_shapes_or_names_dropped(delta):
     s = new_syncer()
-    c = Contribution("a", 0, 0, 2, 2, 100, delta, entry_id="e-shape")
+    c = Contribution("a", 0, 0, 2, 2, 100, delta=delta, entry_id="e-shape")
     ok, reason = s.offer(c, 0.0)
     assert not ok and "names and shapes" in reason
     assert s.pending_drops == [("e-shape", reason)]
@@ -538,7 +538,7 @@ def _two_tensor_syncer():
 
 def _c2(learner, base, step, scale, tokens=100):
     return Contribution(learner, 3, base, step, 2, tokens,
-                        {NAME: scale * np.array([1, -2, 3, 0.5], F32),
+                        delta={NAME: scale * np.array([1, -2, 3, 0.5], F32),
                          "h0.mlp.proj": scale * np.array([[1, 0], [0, -1]], F32)},
                         entry_id=f"{learner}{base}{step}")
 
@@ -634,7 +634,7 @@ def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
     closed as the final flush, takes Θ − lr·share·Δ and leaves the momentum as it was; every
     other round (and every round under "nesterov") takes the Nesterov step. Both syncers are
     the same until the flush. The flag travels in the stream entry."""
-    from broker.entries import EntryMeta
+    from pipeline.contribution import PushHeader
     from pipeline.syncer import FINAL_FLUSH
 
     outer = OuterConfig(lr=0.7, momentum=0.7)
@@ -662,9 +662,9 @@ def test_the_final_flush_takes_a_plain_step_under_final_step_plain():
                                rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(plain.opt_state[0].trace[NAME]), trace)
     # the stream entry carries the flag to the contribution the syncer (and replay) merges
-    meta = EntryMeta("a", 0, 3, 9, 2, 100, "fp32", final=True)
-    assert meta.contribution({}).final and not dataclasses.replace(meta, final=False) \
-        .contribution({}).final
+    meta = PushHeader("a", 0, 3, 9, 2, 100, final=True)
+    assert Contribution.of(meta, {}).final and not Contribution.of(
+        dataclasses.replace(meta, final=False), {}).final
     with pytest.raises(ValueError, match="final_step"):
         cfgmod.override(cfgmod.RunConfig(), **{"sync.final_step": "adam"})
 

@@ -13,11 +13,12 @@ import redis
 
 from broker import pieces
 from broker.connection import connect
-from broker.entries import EntryMeta, entry_fields, parse_entry, payload_size
+from broker.entries import entry_fields, parse_entry, payload_size
 from broker.errors import DecodeError
 from broker.keys import RunKeys
 from broker.streams import FragmentStreams
 from pipeline import quant
+from pipeline.contribution import PushHeader
 
 KEYS = RunKeys("pieces")
 FK = KEYS.fragment(0)
@@ -57,8 +58,8 @@ def _entry(piece_bytes: int) -> tuple[dict, dict]:
     rng = np.random.default_rng(1)
     tensors = {f"t{i}": quant.quantize(rng.standard_normal((64, 40)).astype(np.float32),
                                        "bf16") for i in range(3)}
-    meta = EntryMeta("L0", 0, 0, 10, 10, 640, "bf16")
-    return entry_fields(meta, tensors, piece_bytes=piece_bytes), tensors
+    meta = PushHeader("L0", 0, 0, 10, 10, 640)
+    return entry_fields(meta, tensors, "bf16", piece_bytes=piece_bytes), tensors
 
 
 def test_a_push_larger_than_a_piece_is_split_across_entry_fields_and_joined_back():

@@ -206,7 +206,7 @@ def _altered(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
         values = values + np.float32(0.01) * np.sign(values + np.float32(1e-3))
         new[name] = quant.quantize(values.astype(np.float32), q.codec, q.block or 64)
     out = {k.encode(): (v if isinstance(v, bytes) else str(v).encode())
-           for k, v in entry_fields(meta, new).items()}
+           for k, v in entry_fields(meta, new, next(iter(new.values())).codec).items()}
     out[b"seconds"], out[b"final"] = fields[b"seconds"], fields[b"final"]
     return out
 

@@ -21,12 +21,13 @@ from helpers_broker import (
 from broker import codec, registry
 from broker.commit import LeaseLost
 from broker.connection import connect
-from broker.entries import EntryMeta, parse_entry
+from broker.entries import parse_entry
 from broker.errors import BrokerError, ConfigMismatch
 from broker.keys import GROUP, RunKeys
 from broker.records import Heartbeat, Merged, SyncerInfo
 from broker.streams import FragmentStreams
 from pipeline import config as cfgmod
+from pipeline.contribution import PushHeader
 
 RUN = "streams"
 P = 1
@@ -81,7 +82,7 @@ def test_entries_are_plain_fields(r, keys, fs, cfg):
     assert got[b"sha256"].decode() == codec.sha256_hex(got[b"payload"])
     assert got[b"final"] == b"0" and float(got[b"seconds"]) == 1.5
     meta, tensors = parse_entry(got)
-    assert meta == EntryMeta("L0", P, 3, 40, 10, 2560, "fp32")
+    assert meta == PushHeader("L0", P, 3, 40, 10, 2560) and meta.seconds == 1.5
     delta = make_delta(cfg, P, 0)
     assert set(tensors) == set(delta)
     for n, v in delta.items():

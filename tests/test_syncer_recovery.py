@@ -90,7 +90,7 @@ def push_contribution(r, keys, cfg, who, p=P):
 
 def contribution(cfg, who, entry_id, p=P):
     learner, seed, steps, tokens = who
-    return Contribution(learner, p, 0, steps, steps, tokens, make_delta(cfg, p, seed),
+    return Contribution(learner, p, 0, steps, steps, tokens, delta=make_delta(cfg, p, seed),
                         entry_id=entry_id)
 
 
@@ -459,7 +459,8 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
     checkpoint — and holds exactly the first one's state; the next round continues from it.
     `diloco export`'s reader returns the values of v5, and replay verifies the whole run.
     In pieces of 2 KiB, the states (~8 KB) and snapshots take the same path piece by piece."""
-    from ops.cluster import global_params
+    from broker.errors import BrokerError
+    from ops.cluster import global_params, published_params
     from ops.tools.replay import replay
 
     cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
@@ -491,10 +492,22 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
             ctx = open_run(redis_url, run, wait_s=0)
             params, versions = global_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments,
                                              ctx.shapes, ctx.task.is_embedding)
-            ctx.r.close()
             assert versions[P] == 5
             for k, v in first.theta.items():
                 np.testing.assert_array_equal(params[k], v)
+            # the published value (what learners hold), from the snapshots alone
+            pub, pub_versions = published_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments,
+                                                 ctx.shapes)
+            assert pub_versions == versions and set(pub) == set(params)
+            for k, v in first.sent_values.items():
+                np.testing.assert_array_equal(pub[k], v)
+            # a snapshot of another fragment (or other shapes) is refused, in one line
+            kept = r.dump(fk.global_)
+            r.restore(fk.global_, 0, r.dump(keys.fragment(OTHER).global_), replace=True)
+            with pytest.raises(BrokerError, match=f"fragment {P}'s snapshot"):
+                published_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments, ctx.shapes)
+            r.restore(fk.global_, 0, kept, replace=True)
+            ctx.r.close()
             # one more round from the recovered state: the successor's own (a checkpoint: 6-3)
             _rounds(r, keys, cfg, b, 1, base=5)
             assert state_version(r, fk) == committed_version(r, fk) == 6

@@ -51,7 +51,7 @@ def _c(learner: str, i: int, scale: float = 1e-3, steps: int = 10, tokens: int =
     rng = np.random.default_rng(i)
     delta = (scale * rng.standard_normal(64)).astype(np.float32)
     return Contribution(learner, 0, base, 100 + i, steps, tokens,
-                        {NAME: quant.quantize(delta, "fp32", 64)}, entry_id=f"{learner}-{i}")
+                        delta={NAME: quant.quantize(delta, "fp32", 64)}, entry_id=f"{learner}-{i}")
 
 
 def _honest_rounds(s: FragmentSyncer, n: int) -> None:
@@ -116,7 +116,7 @@ def test_inflated_token_counts_are_refused():
 
 def test_a_round_whose_value_would_overflow_is_not_committed():
     s = _syncer(guard=False)
-    big = Contribution("L0", 0, 0, 5, 1, 256, {NAME: quant.quantize(
+    big = Contribution("L0", 0, 0, 5, 1, 256, delta={NAME: quant.quantize(
         np.full(64, 3e38, np.float32), "fp32", 64)}, entry_id="big")
     ok, why = s.offer(big, 0.0, 256)
     assert ok, why  # finite values: the merge accepts them

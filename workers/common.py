@@ -24,7 +24,8 @@ import redis
 from broker import codec, pieces, registry
 from broker.archive import fsync_dir
 from broker.connection import URL_ENV, connect, redact, resolve_tls_files, url_from_env
-from broker.keys import RunKeys
+from broker.errors import DecodeError
+from broker.keys import FragmentKeys, RunKeys
 from pipeline import config as cfgmod
 from pipeline import data, quant
 from pipeline.config import RunConfig
@@ -231,13 +232,21 @@ def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
     return {k: quant.dequantize(q) for k, q in tensors.items()}
 
 
-def read_snapshot(ctx: RunContext, p: int) -> tuple[int, dict[str, np.ndarray]] | None:
-    """(version, decoded values) of fragment p's latest published value, or None."""
-    limit = ctx.cfg.broker.max_payload_bytes
-    blob = pieces.read(ctx.r, ctx.keys.fragment(p).global_, max_bytes=limit, what="snapshot")
+def read_snapshot(r: redis.Redis, fk: FragmentKeys,
+                  max_bytes: int) -> tuple[int, dict[str, np.ndarray]] | None:
+    """(version, decoded values) of the fragment's latest published value, or None.
+
+    Raises:
+        DecodeError: A snapshot that does not decode, or one of another fragment.
+    """
+    blob = pieces.read(r, fk.global_, max_bytes=max_bytes, what="snapshot")
     if blob is None:
         return None
-    header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
+    header, tensors = codec.unpack_snapshot(blob, max_bytes=max_bytes)
+    del blob
+    if header.fragment != fk.fragment:
+        raise DecodeError(f"the snapshot of fragment {fk.fragment} says fragment "
+                          f"{header.fragment}")
     return header.version, decode_values(tensors)
 
 

@@ -35,6 +35,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ import zmq
 
 from broker import registry, signing
 from broker.connection import OUTAGE
-from broker.entries import EntryMeta, entry_fields
+from broker.entries import entry_fields
 from broker.errors import BrokerError, Superseded
 from broker.records import Heartbeat, LearnerFinal
 from pipeline import tree
@@ -365,14 +366,15 @@ class Island:
         values: dict[str, np.ndarray] = {}
         versions = []
         deadline = time.monotonic() + self.cfg.wait_config_s
+        limit = self.run_cfg.broker.max_payload_bytes
         for p in range(len(self.ctx.fragments)):
-            snap = read_snapshot(self.ctx, p)
+            snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit)
             while snap is None:
                 if time.monotonic() > deadline:
                     raise BrokerError(f"fragment {p} has no global value in Redis; is a syncer "
                                       f"running for run {self.ctx.keys.run!r}?")
                 time.sleep(0.1)
-                snap = read_snapshot(self.ctx, p)
+                snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit)
             versions.append(snap[0])
             values.update(snap[1])
             self.net.joined_at(p, snap[0], snap[1])
@@ -428,8 +430,7 @@ class Island:
             item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
                 self.net.inbox.get_nowait()
             while True:
-                p, version, values, merged = item
-                self.core.on_global(p, version, values, merged)
+                self.core.on_global(*item)
                 n += 1
                 item = self.net.inbox.get_nowait()
         except queue.Empty:
@@ -438,9 +439,8 @@ class Island:
     def _send(self, push: Push, final: bool = False) -> None:
         if self.poison is not None:  # the poison guard's tests and benchmarks
             push = poisoned(push, *self.poison, self.sync.codec_up, self.sync.quant_block)
-        meta = EntryMeta.of_push(self.id, push, self.sync.codec_up,
-                                       seconds=push.seconds, final=final, epoch=self.epoch)
-        fields = entry_fields(meta, push.payload, piece_bytes=self.run_cfg.broker.piece_bytes)
+        fields = entry_fields(replace(push, final=final, epoch=self.epoch), push.payload,
+                              self.sync.codec_up, piece_bytes=self.run_cfg.broker.piece_bytes)
         if self.cfg.sign_key is not None:
             fields = signing.signed(self.cfg.sign_key, self.ctx.keys.run, fields)
         self.net.push(push.fragment, fields)

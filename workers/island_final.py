@@ -87,7 +87,7 @@ def _adopt_final_values(isl: Island, deadline: float) -> dict[str, str]:
     refused); the hash of every fragment's final value."""
     core, versions = isl.core, _wait_final_versions(isl, deadline)
     for p, v in versions.items():
-        while core.base_version[p] < v and (core.pending[p] is None or core.pending[p][0] < v):
+        while core.base_version[p] < v and (core.pending[p] is None or core.pending[p].version < v):
             if time.monotonic() > deadline:
                 raise BrokerError(f"{isl.id}: final value of fragment {p} not received")
             if not isl._drain_inbox(timeout_s=0.5):

@@ -33,8 +33,9 @@ from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams, StreamExhausted
+from pipeline.contribution import MergeRecord
 from pipeline.downlink import apply_delta
-from pipeline.learner import UNKNOWN
+from pipeline.learner import UNKNOWN, MergedValue
 from pipeline.quant import tensors_hash
 from workers.common import RunContext, decode_values
 
@@ -85,7 +86,7 @@ class LearnerNet(threading.Thread):
         self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
                               max_bytes=self.bcfg.max_payload_bytes, curve=curve)
         self.outbox: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[MergedValue] = queue.Queue()
         self.snapshot_requests: queue.Queue = queue.Queue()
         self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
         self.redis_down = False  # Redis failed this thread's last call (and no call since)
@@ -109,7 +110,7 @@ class LearnerNet(threading.Thread):
         self._rebase = ctx.cfg.effective_sync().apply == "rebase"
         self._held: dict[int, dict[int, tuple]] = {}  # fragment → version → (header, tensors)
         # fragment → (version, this learner's last merged push as of that value)
-        self._merged: dict[int, tuple[int, tuple[int, int, int] | None]] = {}
+        self._merged: dict[int, tuple[int, MergeRecord | None]] = {}
         self._last_push: dict[int, tuple[str, dict]] = {}  # fragment → (entry id, fields)
         self._acked_log = open(acked_log, "a", buffering=1) if acked_log else None
         self._sub_endpoints = list(sub_endpoints)
@@ -320,7 +321,7 @@ class LearnerNet(threading.Thread):
                 continue
             self._deliver(header, tensors)
 
-    def _merged_push(self, p: int) -> tuple[int, int, int] | str | None:
+    def _merged_push(self, p: int) -> MergeRecord | str | None:
         """This learner's last push of fragment p that a round merged (base version, step,
         the round's version), read when a value arrives: the syncer commits it with the round's
         value, so a value newer than the record's round holds no later push of this learner.
@@ -333,9 +334,9 @@ class LearnerNet(threading.Thread):
         except (*OUTAGE, redis.RedisError) as e:
             log.warning("%s: could not read the merge record of fragment %d (%s)", self.id, p, e)
             return UNKNOWN
-        return None if rec is None else (rec.base_version, rec.step, rec.version)
+        return rec
 
-    def _merged_as_of(self, header) -> tuple[int, int, int] | str | None:
+    def _merged_as_of(self, header) -> MergeRecord | str | None:
         """This learner's last merged push of the value's fragment, at least as new as the
         value. A published message carries its round's merge records: following the value
         whose record this thread knows, it says the record without a Redis read. Otherwise
@@ -346,8 +347,8 @@ class LearnerNet(threading.Thread):
         known = self._merged.get(p)
         if header.merged is not None and known is not None and known[0] == v - 1:
             rec, mine = known[1], header.merged.get(self.id)
-            if mine is not None and (rec is None or rec[2] < v):
-                rec = (*mine, v)
+            if mine is not None and (rec is None or rec.version < v):
+                rec = MergeRecord(*mine, v)
         else:
             rec = self._merged_push(p)
         if rec == UNKNOWN:
@@ -397,7 +398,7 @@ class LearnerNet(threading.Thread):
             if self._delta:  # the trainer gets a copy: the reference stays what was decoded
                 self._ref[p] = values
                 values = {k: v.copy() for k, v in values.items()}
-        self.inbox.put((p, version, values, self._merged_as_of(header)))
+        self.inbox.put(MergedValue(p, version, values, self._merged_as_of(header)))
         held = self._held.get(p)
         if held:
             for v in [v for v in held if v <= version]:

@@ -36,6 +36,7 @@ from broker.records import RoundRecord
 from broker.state import unpack_state
 from pipeline import capacity, quant
 from pipeline.config import RunConfig
+from pipeline.contribution import Contribution
 from pipeline.downlink import full_value
 from pipeline.guard import fragment_prior
 from pipeline.syncer import FragmentSyncer, RoundResult
@@ -138,8 +139,7 @@ def replay_round(core: FragmentSyncer, rec: RoundRecord, inputs: Mapping[str, tu
         if meta.fragment != p or meta.learner != learner:
             check.bad("entry", f"entry {entry_id} is learner {meta.learner!r} fragment "
                       f"{meta.fragment}, the record says learner {learner!r} fragment {p}")
-        c = meta.contribution(tensors, entry_id=entry_id,
-                              nbytes=payload_size(fields))
+        c = Contribution.of(meta, tensors, entry_id=entry_id, nbytes=payload_size(fields))
         ok, why = core.offer(c, 0.0)
         row["accepted"], row["refusal"] = ok, None if ok else why
         if not ok:

@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 
 from broker import registry, signing
-from broker.entries import EntryMeta, parse_entry, payload_size, peek_key
+from broker.entries import parse_entry, payload_size, peek_key
 from broker.errors import DecodeError
 from broker.records import Drop, Refusal
 from broker.streams import Entry
+from pipeline.contribution import Contribution, PushHeader
 from workers.syncer_state import FragState, SyncerShared, payload_digest
 
 log = logging.getLogger("diloco.syncer")
@@ -89,7 +90,7 @@ class Intake:
             return
         if self._fenced(e, meta):
             return
-        c = meta.contribution(tensors, entry_id=e.entry_id, nbytes=payload_size(e.fields))
+        c = Contribution.of(meta, tensors, entry_id=e.entry_id, nbytes=payload_size(e.fields))
         limit = self.sh.declared.get(meta.learner) or self.sh.ctx.task.tokens_per_step()
         try:
             ok, reason = f.core.offer(c, time.monotonic(), limit)
@@ -115,7 +116,7 @@ class Intake:
         f.drop_keys[e.entry_id] = (meta.learner, meta.base_version, meta.step)
         self.sh.stats.dropped += 1
 
-    def _fenced(self, e: Entry, meta: EntryMeta) -> bool:
+    def _fenced(self, e: Entry, meta: PushHeader) -> bool:
         """Dead-letter an entry of a learner process superseded by a newer one of the same id
         (an older epoch than the newest this syncer has seen of it): two processes running
         as one learner must not both contribute. Not a refusal: the learner id's refusal

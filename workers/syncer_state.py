@@ -13,11 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from broker import codec, registry, signing
-from broker.entries import EntryMeta, payload_pieces, pieces_sha256
+from broker.entries import payload_pieces, pieces_sha256
 from broker.errors import DecodeError
 from broker.pubsub import Publisher
 from broker.records import SyncerInfo
 from broker.streams import Entry, FragmentStreams
+from pipeline.contribution import PushHeader
 from pipeline.downlink import full_value
 from pipeline.fragments import fragment_sizes
 from pipeline.syncer import FragmentSyncer
@@ -48,7 +49,7 @@ class SyncerStats:
 @dataclass
 class FragState:
     core: FragmentSyncer
-    entries: dict[str, EntryMeta] = field(default_factory=dict)   # entry id → open-round entry
+    entries: dict[str, PushHeader] = field(default_factory=dict)   # entry id → open-round entry
     ack_extra: list[str] = field(default_factory=list)            # duplicates/drops to ack
     # of those: entry id → its push's (learner, base version, step), named in its drop event
     # (the entry itself may be trimmed before anyone reads the event)

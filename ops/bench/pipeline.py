@@ -30,7 +30,7 @@ import zmq
 
 from broker import codec, registry, signing
 from broker.connection import connect
-from broker.entries import EntryMeta, entry_fields
+from broker.entries import entry_fields
 from broker.keys import RunKeys
 from broker.pubsub import Subscriber
 from broker.records import Heartbeat
@@ -39,6 +39,7 @@ from ops.cluster import ClusterServers, RedisServer, SecureSetup, store_run_conf
 from pipeline import config as cfgmod
 from pipeline import kernels, quant
 from pipeline.config import RunConfig
+from pipeline.contribution import PushHeader
 from pipeline.fragments import partition
 from pipeline.task import task_of
 from workers.common import open_run
@@ -68,8 +69,8 @@ def _fragment_delta(cfg: RunConfig, p: int, seed: int) -> dict[str, quant.QTenso
 
 def entry(cfg: RunConfig, learner: str, p: int, base: int, step: int,
           tensors: dict[str, quant.QTensor]) -> dict:
-    return entry_fields(EntryMeta(learner, p, base, step, 10, 10 * 1024,
-                                              cfg.sync.codec_up, seconds=1.0), tensors)
+    return entry_fields(PushHeader(learner, p, base, step, 10, 10 * 1024, seconds=1.0),
+                        tensors, cfg.sync.codec_up)
 
 
 # -- pipeline efficiency -----------------------------------------------------------------------

@@ -14,10 +14,16 @@ from ops.cluster.secure import (
     write_keys,
     write_role_urls,
 )
-from ops.cluster.supervisor import Supervisor, global_params, role_cmd, store_run_config
+from ops.cluster.supervisor import (
+    Supervisor,
+    global_params,
+    published_params,
+    role_cmd,
+    store_run_config,
+)
 from ops.cluster.wire import codec_sizes
 
 __all__ = ["ClusterServers", "Launcher", "RedisServer", "RunFailed", "SecureSetup", "Supervisor",
            "TcpProxy", "TlsFiles", "artifacts", "codec_sizes", "free_port", "global_params",
-           "role_cmd", "run_distributed", "run_inprocess", "secure_init", "store_run_config",
-           "tensorboard", "write_bundles", "write_keys", "write_role_urls"]
+           "published_params", "role_cmd", "run_distributed", "run_inprocess", "secure_init",
+           "store_run_config", "tensorboard", "write_bundles", "write_keys", "write_role_urls"]

@@ -2,7 +2,8 @@
 
 The launcher stores the run configuration in Redis, starts the processes through the
 :class:`~ops.cluster.supervisor.Supervisor`, logs their heartbeats, evaluates the global
-parameters now and then, and writes the run's output folder. It returns the run's summary; the
+parameters now and then (the published value: what learners train from; Θ itself at the end),
+and writes the run's output folder. It returns the run's summary; the
 command line (``ops/cli/run.py``) prints it and shows live progress through a callback.
 """
 
@@ -65,10 +66,13 @@ class Launcher:
         return ["--tensorboard", str(Path(self.tensorboard) / name)] if self.tensorboard else []
 
     def evaluate(self, corpus: Data, log: artifacts.MetricsLog, t0: float) -> dict | None:
+        """Evaluate the value learners train from (`Supervisor.evaluate`'s `published`: about
+        the model's fp32 size; Θ itself, which replays the rounds since the last checkpoint,
+        is evaluated at the end) and log it."""
         try:
-            m = self.sup.evaluate(corpus)
+            m = self.sup.evaluate(corpus, published=True)
         except BrokerError:
-            return None  # nothing committed yet
+            return None  # nothing published yet (or a snapshot refused: tried again later)
         recs = registry.learner_records(self.sup.r, self.sup.keys)
         rec = {"tokens": sum(h.tokens for h in recs.values()),
                "wall_s": time.monotonic() - t0, **m}
@@ -104,9 +108,13 @@ class Launcher:
             time.sleep(1.0)
 
     def summary(self, wall_s: float, corpus: Data, log: artifacts.MetricsLog,
-                initial_eval_loss: float) -> dict:
+                initial_eval_loss: float,
+                global_model: tuple[dict[str, np.ndarray], list[int]]) -> dict:
+        """The run's summary, with the final evaluation of the global Θ (`global_model`:
+        `Supervisor.global_model`'s)."""
         cfg, r, keys = self.cfg, self.sup.r, self.sup.keys
-        final = self.sup.evaluate(corpus)
+        final = {**self.sup.evaluate_params(global_model[0], corpus),
+                 "versions": global_model[1]}
         reports = registry.learner_final_reports(r, keys)
         tokens = sum(v.tokens for v in reports.values())
         rec = {"tokens": tokens, "wall_s": wall_s, **final}
@@ -203,9 +211,9 @@ def run_distributed(cfg: RunConfig, run_name: str, *, out: str | Path,
         except BaseException:
             la.sup.stop_all()
             raise
-        summary = la.summary(wall_s, corpus, log, initial)
-        la.log_rounds_and_reports(log)
         params, versions = la.sup.global_model()
+        summary = la.summary(wall_s, corpus, log, initial, (params, versions))
+        la.log_rounds_and_reports(log)
         artifacts.save_checkpoint(run_dir / "checkpoint.npz", params, cfg, versions)
         artifacts.plot_loss(run_dir / "loss.png", {cfg.mode: summary["history"]}, x="wall_s",
                             title=f"{cfg.mode}, M={cfg.learners}: global model")

@@ -3,8 +3,8 @@
 It starts the same processes an operator starts by hand on separate hosts (`diloco syncer`,
 `diloco learner`, as ``python -m workers.<role>``), each with its log file under
 ``<run_dir>/logs``; it restarts, signals, kills and stops them, reports their exit codes, and
-reads the global model (the syncers' checkpointed fp32 state and the rounds since) to
-evaluate it. It never prints.
+reads the global model (the syncers' checkpointed fp32 state and the rounds since) or the
+published value (its snapshots) to evaluate it. It never prints.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import redis
 
 from broker import registry
 from broker.connection import URL_ENV, connect, has_secret, value_limits
-from broker.errors import BrokerError
+from broker.errors import BrokerError, DecodeError
 from broker.keys import RunKeys
 from pipeline import capacity
 from pipeline import config as cfgmod
@@ -32,6 +32,7 @@ from pipeline.config import RunConfig
 from pipeline.fragments import partition
 from pipeline.task import Data, stored_spec, task_of, with_init_hash
 from pipeline.train import evaluate
+from workers.common import read_snapshot
 from workers.recovery import committed_theta
 
 log = logging.getLogger("diloco.supervisor")
@@ -57,6 +58,36 @@ def global_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig, fragments: list
                                          is_embedding, archive_dir=cfg.broker.archive_dir or None)
         params.update({k: np.asarray(v, np.float32) for k, v in theta.items()})
         versions.append(version)
+    return params, versions
+
+
+def published_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig,
+                     fragments: list[list[str]], shapes: dict[str, tuple[int, ...]]
+                     ) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The latest published value of every fragment in fp32 (what learners train from) and
+    its version, read from its snapshot one fragment at a time: no checkpoint, no replay, no
+    optimizer state, so it holds about the model's fp32 size. It differs from the global Θ
+    (`global_params`) by what the down link has not sent yet (the int4 delta link's
+    error-feedback residual; bf16 rounding).
+
+    Raises:
+        BrokerError: A fragment has no published value yet, or a snapshot that does not
+            decode or does not hold the fragment's parameters.
+    """
+    params: dict[str, np.ndarray] = {}
+    versions = []
+    for p, names in enumerate(fragments):
+        try:
+            snap = read_snapshot(r, keys.fragment(p), cfg.broker.max_payload_bytes)
+        except DecodeError as e:
+            raise BrokerError(f"fragment {p}'s snapshot: {e}") from e
+        if snap is None:
+            raise BrokerError(f"fragment {p} has no published value")
+        if {k: v.shape for k, v in snap[1].items()} != {n: tuple(shapes[n]) for n in names}:
+            raise BrokerError(f"fragment {p}'s snapshot does not hold the fragment's "
+                              f"parameters and shapes")
+        versions.append(snap[0])
+        params.update(snap[1])
     return params, versions
 
 
@@ -190,8 +221,11 @@ class Supervisor:
         return global_params(self.r, self.keys, self.cfg, self.frags, self.task.param_shapes(),
                              self.task.is_embedding)
 
-    def evaluate(self, data: Data) -> dict:
-        """Evaluation loss and accuracy of the global model on the held-out split.
+    def evaluate(self, data: Data, published: bool = False) -> dict:
+        """Evaluation loss and accuracy of the global model on the held-out split: Θ
+        (`global_params`), or with `published` the value learners train from
+        (`published_params`: about the model's fp32 size, where Θ replays the rounds since
+        the last checkpoint).
 
         Returns:
             ``{"eval_loss", "eval_accuracy", "versions"}``.
@@ -200,7 +234,9 @@ class Supervisor:
             BrokerError: A fragment has no committed state yet.
             redis.ConnectionError, redis.TimeoutError: Redis did not answer.
         """
-        params, versions = self.global_model()
+        params, versions = published_params(
+            self.r, self.keys, self.cfg, self.frags, self.task.param_shapes()) if published \
+            else self.global_model()
         return {**self.evaluate_params(params, data), "versions": versions}
 
     def evaluate_params(self, params: dict[str, np.ndarray], data: Data) -> dict:

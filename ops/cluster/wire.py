@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from broker import codec
-from broker.entries import EntryMeta, entry_fields
+from broker.entries import entry_fields
 from pipeline.engine import WireSizes
 from pipeline.learner import Push
 from pipeline.syncer import RoundResult
 
 
-def _push_bytes(push: Push, learner: str) -> int:
-    meta = EntryMeta.of_push(learner, push, next(iter(push.payload.values())).codec)
-    fields = entry_fields(meta, push.payload)
+def _push_bytes(push: Push) -> int:
+    fields = entry_fields(push, push.payload, next(iter(push.payload.values())).codec)
     return sum(len(str(k)) + (len(v) if isinstance(v, bytes | str) else len(str(v)))
                for k, v in fields.items())
 

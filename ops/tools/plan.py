@@ -50,7 +50,7 @@ def measure(cfg: RunConfig, n: int = MEASURE_VALUES, repeats: int = 3,
                           OuterConfig(), s, is_embedding=lambda _name: False)
     offer_s, close_s = float("inf"), float("inf")
     for i in range(repeats):
-        c = Contribution(f"L{i}", 0, core.version, 1, s.sync_every, 1, payload)
+        c = Contribution(f"L{i}", 0, core.version, 1, s.sync_every, 1, delta=payload)
         t0 = time.perf_counter()
         accepted, why = core.offer(c, 0.0)
         t1 = time.perf_counter()

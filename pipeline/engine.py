@@ -214,7 +214,7 @@ class Engine:
         self.useful_s = 0.0
         self._pushed: dict[str, tuple[str, int, int]] = {}  # entry id → (learner, base, step)
         # (learner, fragment) → (base version, step, version) of its last merged push: what the
-        # syncer's merge records tell a distributed learner (`LearnerCore.merged_lookup`)
+        # syncer's merge records tell a distributed learner (`LearnerCore.questions`)
         self._merged: dict[tuple[str, int], MergeRecord] = {}
         self.now = 0.0
         first = self._eval(self._global(), 0, 0.0)
@@ -280,6 +280,12 @@ class Engine:
         lr.busy_s += eng.step_s / lr.speed
         lr.clock_s = t_end
         lr.params, pushes = lr.core.after_step(lr.step, self._tokens_per_step(), lr.params)
+        questions = lr.core.questions.take()
+        if questions:  # answered at once, as a distributed learner's network thread would soon
+            for p, key in questions.items():
+                lr.core.questions.answer(p, key, self._merged_lookup(lr.name, p, key))
+            lr.params, more = lr.core.resume(lr.step, lr.params)
+            pushes += more
         for push in pushes:
             self._send(lr, push, t_end)
         lr.blocked = lr.core.blocked(lr.step)
@@ -364,14 +370,14 @@ class Engine:
 
     def _core(self, name: str, start: dict, versions: list[int]) -> LearnerCore:
         core = LearnerCore(name, self.frags, self.sync, start, versions)
-        core.merged_lookup = lambda p, f: self._merged_lookup(name, p, f)
+        core.questions.on = True
         return core
 
-    def _merged_lookup(self, name: str, p: int, f) -> tuple[int, dict] | None:
+    def _merged_lookup(self, name: str, p: int, key: tuple[int, int]) -> tuple[int, dict] | None:
         """As a distributed learner reads the merge records and a snapshot: the value of the
-        version that merged learner `name`'s push in flight (the latest if no longer held)."""
+        version that merged learner `name`'s push `key` (the latest if no longer held)."""
         m = self._merged.get((name, p))
-        if m is None or (m.base_version, m.step) != f.key:
+        if m is None or (m.base_version, m.step) != key:
             return None
         version = m.version
         s = self.syncers[p]

@@ -7,11 +7,14 @@ takes a merged value, which is applied τ steps after the push (or at once if it
 No I/O and no clock: the in-process engine and ``workers/learner.py`` drive it.
 
 A push is superseded when its merged value has not arrived H steps later: the next push of
-the fragment goes out anyway. If the old push was merged meanwhile (`merged_lookup`, which the
-driver answers from the syncer's merge records), the learner first rebases onto the version
-that merge produced, so the new push carries only the progress not merged yet — in δ, in its
-steps and in its tokens — never the merged part twice. A driver that cannot tell now (its
-broker is unreachable) answers `DEFER`: the push waits for the fragment's next turn.
+the fragment goes out anyway. If the old push was merged meanwhile, the learner first rebases
+onto the version that merge produced, so the new push carries only the progress not merged
+yet — in δ, in its steps and in its tokens — never the merged part twice. The core asks, and
+never reads anything itself (`pipeline.learner_questions`): the question goes out, the push
+waits, and the driver's answer (from the syncer's merge records, read off the training thread)
+lets it go at the next step (`resume` at once, for a driver that answers at once). A driver
+that cannot tell now (its broker is unreachable) answers `DEFER`: the push waits for the
+fragment's next turn.
 
 Under ``apply = "rebase"`` a value is applied according to what it holds of this learner's
 pushes (`on_global`'s `merged`, which the driver reads from the merge records as the value
@@ -22,7 +25,7 @@ value lacks, and leave the push in flight for its own round's value).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,13 +36,14 @@ from pipeline import quant
 from pipeline.config import SyncConfig
 from pipeline.contribution import MergeRecord, Push
 from pipeline.fragments import due_fragment
+from pipeline.learner_questions import DEFER, MergeQuestions
 from pipeline.model import Params
 
-DEFER = "defer"  # merged_lookup's answer when it cannot tell now: push at the next turn
 # `on_global`'s `merged` when the driver cannot tell which of this learner's pushes a value
 # holds (its broker is unreachable, a value restored from a checkpoint): the "rebase" rule
 # then takes the value as holding the push in flight
 UNKNOWN = "unknown"
+
 
 
 class MergedValue(NamedTuple):
@@ -52,6 +56,10 @@ class MergedValue(NamedTuple):
     version: int
     value: dict[str, np.ndarray]
     merged: MergeRecord | str | None = UNKNOWN
+
+
+def _fp32(names: list[str], value: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: np.asarray(value[n], np.float32) for n in names}
 
 
 def _seconds(v) -> float:
@@ -140,12 +148,7 @@ class LearnerCore:
         # of it: the last push of this learner merged up to it (`on_global`'s `merged`)
         self.pending: list[MergedValue | None] = [None] * P
         self.applied = 0
-        # (fragment, the push in flight) → (version, value) if a round merged that push (the
-        # value of that version or a later one), None if none did, DEFER if it cannot tell
-        # now; no lookup: superseding pushes are sent without asking (they then repeat the
-        # merged progress)
-        self.merged_lookup: Callable[[int, _InFlight], tuple[int, Mapping[str, np.ndarray]]
-                                     | str | None] | None = None
+        self.questions = MergeQuestions()  # the driver takes them and answers
         self.rebased_merged = 0  # superseding pushes that found their predecessor merged
         # per fragment, the chain a forgotten push (`forget_push`) leaves to the next push: its
         # progress, possibly part merged by the chain's earlier pushes, goes out again in it
@@ -163,25 +166,40 @@ class LearnerCore:
             self.tokens[p] += tokens
             self.seconds[p] += seconds
         params = self.apply_due(step, params)
+        due = due_fragment(step, self.cfg.delta_h, len(self.fragments))
+        return self.resume(step, params, due)
+
+    def resume(self, step: int, params: Params,
+               due: int | None = None) -> tuple[Params, list[Push]]:
+        """The pushes of fragment `due`'s turn and of those that waited for answers (a driver
+        that answers at once calls this in the step it answered; otherwise the next
+        `after_step` takes them up)."""
         pushes = []
-        p = due_fragment(step, self.cfg.delta_h, len(self.fragments))
-        if p is not None:
-            f = self.inflight[p]
-            if (f is not None and self._superseding(p, step) and f.pushed is not None
-                    and self.merged_lookup is not None and self.pending[p] is None):
-                found = self.merged_lookup(p, f)
-                if found == DEFER:
-                    return params, pushes
-                if found is not None and found[0] > self.base_version[p]:
-                    params = self.rebase_merged(p, found[0], found[1], params)
-                elif found is None:
-                    # not merged: the new δ holds the old one whole, so the residual it
-                    # carried in is what the rounds have still not seen
-                    self.residual[p] = f.carried
-            push = self._maybe_push(p, step, params)
+        for p in sorted(self.questions.waiting | ({due} if due is not None else set())):
+            params, push = self._turn(p, step, params)
             if push is not None:
                 pushes.append(push)
         return params, pushes
+
+    def _turn(self, p: int, step: int, params: Params) -> tuple[Params, Push | None]:
+        """Fragment p's turn to push: over a push in flight whose value is H steps late, only
+        once the driver has said whether a round merged it."""
+        self.questions.waiting.discard(p)
+        f = self.inflight[p]
+        if (f is not None and self._superseding(p, step) and f.pushed is not None
+                and self.questions.on and self.pending[p] is None):
+            answered, found = self.questions.answered(p, f.key)
+            if not answered:
+                return params, None
+            if found == DEFER:
+                return params, None
+            if found is not None and found[0] > self.base_version[p]:
+                params = self.rebase_merged(p, found[0], found[1], params)
+            elif found is None:
+                # not merged: the new δ holds the old one whole, so the residual it
+                # carried in is what the rounds have still not seen
+                self.residual[p] = f.carried
+        return params, self._maybe_push(p, step, params)
 
     def push_all(self, step: int, params: Params) -> list[Push]:
         """Final flush: push every fragment that has progress and nothing in flight."""
@@ -214,7 +232,7 @@ class LearnerCore:
         self.residual[p] = f.carried if f.sent_step is None else None
         self._count_since(p, f)
         self.inflight[p] = None
-        self.pending[p] = MergedValue(p, version, self._fp32(p, value),
+        self.pending[p] = MergedValue(p, version, _fp32(self.fragments[p], value),
                                       MergeRecord(*f.key, version))
         self.rebased_merged += 1
         return self._apply(p, params)
@@ -273,11 +291,9 @@ class LearnerCore:
         if (self.cfg.apply == "rebase" and isinstance(merged, MergeRecord)
                 and merged.version > version):
             return False
-        self.pending[p] = MergedValue(p, version, self._fp32(p, value), merged)
+        self.pending[p] = MergedValue(p, version, _fp32(self.fragments[p], value), merged)
         return True
 
-    def _fp32(self, p: int, value: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {n: np.asarray(value[n], np.float32) for n in self.fragments[p]}
 
     def apply_at(self, p: int) -> int | None:
         """Step at which fragment p's pending value is applied (None: nothing pending)."""

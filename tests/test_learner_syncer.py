@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,10 +56,33 @@ def run(core, params, steps, g=G, tokens=TOKENS):
     out = {}
     for t in steps:
         params = inner(params, g)
-        params, pushes = core.after_step(t, tokens, params)
+        params, pushes = after_step(core, t, tokens, params)
         if pushes:
             out[t] = pushes
     return params, out
+
+
+_LOOKUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def answering(core, lookup):
+    """Drive `core` as the in-process engine does: its questions (was the push in flight
+    merged?) answered at once by `lookup(p, key)`: (version, value), None or DEFER."""
+    core.questions.on = True
+    _LOOKUPS[core] = lookup
+
+
+def after_step(core, t, tokens, params, seconds=0.0):
+    """`core.after_step`, then the questions it asked answered (`answering`) and the pushes
+    that waited for them, in the same step."""
+    params, pushes = core.after_step(t, tokens, params, seconds=seconds)
+    lookup = _LOOKUPS.get(core)
+    if lookup is not None and core.questions.asked:
+        for p, key in core.questions.take().items():
+            core.questions.answer(p, key, lookup(p, key))
+        params, more = core.resume(t, params)
+        pushes = pushes + more
+    return params, pushes
 
 
 def decoded(push):
@@ -334,7 +358,7 @@ def test_end_to_end_two_learners():
         out = {}
         for m in "ab":
             params[m] = inner(params[m], grads[m])
-            params[m], pushes = cores[m].after_step(t, TOK[m], params[m])
+            params[m], pushes = after_step(cores[m], t, TOK[m], params[m])
             out[m] = pushes
         return out
 
@@ -514,11 +538,11 @@ def test_a_superseding_push_over_a_merged_one_carries_only_the_unmerged_progress
     core, params = make()
     asked = []
 
-    def lookup(p, f):  # the syncer merged the step-2 push of fragment 1 into version 3
-        asked.append((p, f.base_version, f.step))
-        return (3, V) if (p, f.step) == (1, 2) else None
+    def lookup(p, key):  # the syncer merged the step-2 push of fragment 1 into version 3
+        asked.append((p, *key))
+        return (3, V) if (p, key[1]) == (1, 2) else None
 
-    core.merged_lookup = lookup
+    answering(core, lookup)
     params, pushes = run(core, params, range(1, 11))  # step 10 supersedes the step-2 push
     assert (1, 0, 2) in asked and core.rebased_merged == 1
     [push] = pushes[10]
@@ -581,11 +605,11 @@ def test_a_push_sent_after_the_checkpoint_is_not_carried_again_by_the_restored_l
     assert back.inflight[1].key == (1, 6)
     asked = []
 
-    def lookup(p, f):
-        asked.append((p, *f.key))
+    def lookup(p, key):
+        asked.append((p, *key))
         return (2, V2) if case == "merged, value never comes" else None
 
-    back.merged_lookup = lookup
+    answering(back, lookup)
     params = at_ckpt
     if case.startswith("value comes"):
         assert back.on_global(1, 2, V2)              # applied at step 5 = 4 + τ
@@ -620,7 +644,7 @@ def test_a_push_taken_up_at_a_restore_and_error_feedback(merged):
     assert held is not None and np.abs(held[FC]).max() > 0
     core.resume_pushed(1, 0, 6, 4, params)           # the log: pushed again at step 6
     assert core.residual[1] is None and core.inflight[1].carried is held
-    core.merged_lookup = lambda p, f: (2, V2) if merged else None
+    answering(core, lambda p, key: (2, V2) if merged else None)
     _, out = run(core, params, range(5, 11))         # step 10 supersedes it
     [push] = out[10]
     if merged:
@@ -633,12 +657,36 @@ def test_a_push_taken_up_at_a_restore_and_error_feedback(merged):
                                    10 * G[FC] + held[FC], atol=1e-6)
 
 
+def test_the_core_asks_and_the_push_waits_for_an_answer_given_later():
+    """A distributed learner's driver answers on another thread: the due push waits (the
+    training thread reads nothing), the question goes out once, and the push leaves at the
+    first step after the answer. An answer about another push is not taken for it, and a
+    question is asked once."""
+    core, params = make()
+    core.questions.on = True
+    params, pushes = run(core, params, range(1, 11))  # step 10: fragment 1 due, asks
+    assert 10 not in pushes and core.questions.take() == {1: (0, 2)}
+    assert core.questions.waiting == {1} and core.inflight[1].step == 2
+    params, pushes = run(core, params, range(11, 12))  # no answer yet: still waiting
+    assert not pushes and core.questions.take() == {} and core.questions.waiting == {1}
+    core.questions.answer(1, (0, 99), (3, V))  # about a push not in flight: not taken
+    params, pushes = run(core, params, range(12, 13))
+    # (fragment 0's turn: its step-4 push is late too, and is asked about)
+    assert not pushes and core.questions.take() == {0: (0, 4)} and core.questions.waiting == {0, 1}
+    core.questions.answer(1, (0, 2), (3, V))
+    params, pushes = run(core, params, range(13, 14))
+    [push] = pushes[13]
+    assert core.rebased_merged == 1 and core.questions.waiting == {0}
+    assert (push.base_version, push.step, push.steps) == (3, 13, 11)
+    np.testing.assert_array_equal(decoded(push)[FC], 11 * G[FC])  # only the unmerged part
+
+
 def test_a_lookup_that_cannot_tell_defers_the_superseding_push():
     """Redis unreachable (a partition): the learner neither waits nor pushes the merged
     progress again; the fragment's push waits for its next turn, when the lookup answers."""
     core, params = make()
     answers = iter([DEFER, (3, V)])
-    core.merged_lookup = lambda p, f: next(answers) if p == 1 else None
+    answering(core, lambda p, key: next(answers) if p == 1 else None)
     params, pushes = run(core, params, range(1, 11))  # step 10: fragment 1 due, lookup defers
     assert 10 not in pushes and core.inflight[1].step == 2 and core.rebased_merged == 0
     params, pushes = run(core, params, range(11, 15))  # step 14: its next turn
@@ -674,7 +722,7 @@ def test_error_feedback_keeps_what_the_rounds_saw_within_one_quantisation_step(c
         for t, g in enumerate(steps, 1):
             params = {"w": params["w"] - g["w"]}
             progress = progress + g["w"]
-            params, pushes = core.after_step(t, TOKENS, params)
+            params, pushes = after_step(core, t, TOKENS, params)
             for push in pushes:
                 version += 1
                 glob = glob - quant.dequantize(push.payload["w"])
@@ -700,12 +748,13 @@ def test_error_feedback_over_a_superseded_push_merged_or_not(merged):
     core, params = make(EF)
     first = {}
 
-    def lookup(p, f):
+    def lookup(p, key):
+        f = core.inflight[p]
         first["q"] = quant.dequantize(f.pushed[FC]) if isinstance(f.pushed[FC], quant.QTensor) \
             else f.pushed[FC]
         return (3, {FC: BASE[FC] - first["q"]}) if merged else None
 
-    core.merged_lookup = lookup
+    answering(core, lookup)
     params, pushes = run(core, params, range(1, 11))
     [p2] = pushes[2]
     q2 = decoded(p2)[FC]
@@ -746,7 +795,7 @@ def _timed(core, params, steps, dt=0.5):
     """Inner steps of `dt` learner-seconds each; {step: [pushes]} as `run`."""
     out = {}
     for t in steps:
-        params, pushes = core.after_step(t, TOKENS, inner(params), seconds=dt)
+        params, pushes = after_step(core, t, TOKENS, inner(params), seconds=dt)
         if pushes:
             out[t] = pushes
     return params, out
@@ -772,7 +821,7 @@ def test_a_push_carries_the_seconds_of_exactly_the_progress_it_carries(apply):
 
 def test_a_superseding_push_over_a_merged_one_carries_only_the_unmerged_seconds():
     core, params = make()
-    core.merged_lookup = lambda p, f: (3, V) if (p, f.step) == (1, 2) else None
+    answering(core, lambda p, key: (3, V) if (p, key[1]) == (1, 2) else None)
     params, pushes = _timed(core, params, range(1, 11))
     [push] = pushes[10]
     assert push.steps == 8 and core.seconds[1] == pytest.approx(4.0)
@@ -947,7 +996,7 @@ def test_a_superseding_push_on_a_newer_base_counts_only_what_it_adds(held):
     does for one on the same base: progress is counted once."""
     core, params = make(REBASE)
     s = _fc_syncer()
-    core.merged_lookup = lambda p, f: None  # the syncer has not merged the push yet
+    answering(core, lambda p, key: None)  # the syncer has not merged the push yet
     params, pushes = run(core, params, range(1, 3))  # A: fragment 1 at step 2, 2 steps
     [a] = [p for p in pushes[2] if p.fragment == 1]
     if held == "older":  # A superseded an earlier push A0 (step 2), which round 1 merged
@@ -1038,12 +1087,12 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
             counted.update({(m, p): 0.0 for p in range(2)})
             upto.update({(m, p): 0 for p in range(2)})  # the step of its last merged push
 
-            def lookup(p, f, m=m, records=records, values=values):
+            def lookup(p, key, m=m, records=records, values=values):
                 rec = records.get((m, p))
-                if rec is None or (rec[0], rec[1]) != f.key:
+                if rec is None or (rec[0], rec[1]) != key:
                     return None
                 return rec[2], values[p][rec[2]]
-            cores[m].merged_lookup = lookup
+            answering(cores[m], lookup)
         streams = [[] for _ in FRAGS]  # p → [(arrival tick, contribution)]
         inbox = {m: [] for m in names}  # m → [(delivery tick, p, version)]
         keys, starts = {}, {}  # entry id → (learner, base, step); chain start → its base
@@ -1051,7 +1100,7 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
             m = names[rng.choice(3, p=[0.5, 0.3, 0.2])]
             made[m] += 1
             g = {k: (rng.standard_normal(v.shape) * 0.01).astype(F32) for k, v in G.items()}
-            params[m], pushes = cores[m].after_step(made[m], TOKENS, inner(params[m], g), 1.0)
+            params[m], pushes = after_step(cores[m], made[m], TOKENS, inner(params[m], g), 1.0)
             for push in pushes:
                 starts.setdefault((m, push.fragment, push.chain), push.base_version)
                 moved_chains += push.base_version != starts[(m, push.fragment, push.chain)]

@@ -10,6 +10,7 @@ sent: the live set is empty and K applies.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -393,11 +394,14 @@ def test_waiting_round_does_not_inflate_delivery_counts_of_its_own_entries(r, re
     assert_merged_once(r, keys, [first, second])
 
 
-def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url):
+@pytest.mark.parametrize("slow_pack", [False, True], ids=["", "packing outlasts the lease"])
+def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url, slow_pack):
     """Redis down longer than the lease (its client's retries hide the outage) or back from
     its AOF without the lease: the commit finds no lease. Nobody else holds it, so the syncer
-    retakes it and commits the round, which is merged once."""
-    cfg = recovery_config()
+    retakes it and commits the round, which is merged once — also when packing the state to
+    re-commit takes longer than the lease lasts (a large fragment on a busy host): it is
+    packed before the lease is retaken."""
+    cfg = recovery_config(**({"lease_ms": 500} if slow_pack else {}))
     run = "expired"
     keys = store_run(r, run, cfg)
     fk = keys.fragment(P)
@@ -406,8 +410,15 @@ def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url):
         s.start()
         r.delete(fk.lease)
         s._next_lease = float("inf")  # no renewal before the commit: it meets the gap
+        if slow_pack:
+            pack = s.commits.state_blob
+
+            def slow(core):
+                time.sleep(0.8)  # > lease_ms
+                return pack(core)
+            s.commits.state_blob = slow
         wait_for(lambda: s.poll_once(), timeout_s=10, what="the round")
-        assert r.get(fk.lease) == b"syncer-0"
+        assert slow_pack or r.get(fk.lease) == b"syncer-0"  # (500 ms: expired again by now)
     assert_merged_once(r, keys, ids)
     assert state_version(r, fk) == 1
 

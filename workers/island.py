@@ -62,7 +62,7 @@ from workers.common import (
 from workers.island_checkpoint import Checkpoints, Joined
 from workers.island_config import IslandConfig, finite_or_none, shard_of
 from workers.island_final import final_flush
-from workers.island_lookup import MergedLookup
+from workers.island_lookup import Answer, MergedLookup
 from workers.learner_net import LearnerNet
 from workers.scalars import open_log
 
@@ -236,6 +236,8 @@ class Island:
         if self.cfg.sync:
             applied = self.core.applied
             flat, pushes = self.core.after_step(self.step, n_tok, flat, seconds=dt)
+            for p, key in self.core.questions.take().items():
+                self._lookup.ask(p, key)  # answered by the network thread, through the inbox
             for push in pushes:
                 self._send(push)
                 self._push_time[push.fragment] = time.monotonic()
@@ -389,7 +391,7 @@ class Island:
         """A core at the values read when joining."""
         versions, values = joined
         core = LearnerCore(self.id, self.ctx.fragments, self.sync, values, versions)
-        core.merged_lookup = self._lookup
+        core.questions.on = True
         return core
 
     def _newer_epoch(self) -> int | None:
@@ -430,8 +432,11 @@ class Island:
             item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
                 self.net.inbox.get_nowait()
             while True:
-                self.core.on_global(*item)
-                n += 1
+                if isinstance(item, Answer):
+                    self.core.questions.answer(*item)
+                else:
+                    self.core.on_global(*item)
+                    n += 1
                 item = self.net.inbox.get_nowait()
         except queue.Empty:
             return n

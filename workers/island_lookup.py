@@ -1,11 +1,14 @@
-"""The answer to `LearnerCore.merged_lookup` from Redis: was a push in flight merged though
-its value never came (a missed message)? Read on the training thread with a fail-fast client,
-only when a fragment's next push is due and its last one is still in flight."""
+"""The answers to a learner core's questions (`pipeline.learner_questions`) from Redis: was a
+push in flight merged though its value never came (a missed message)? Asked by the training
+thread when a fragment's next push is due and its last one is still in flight; read on the
+network thread (`serve`, with a fail-fast client) and handed back through the inbox (`Answer`),
+so the training thread never waits on Redis."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import queue
+from typing import NamedTuple
 
 import numpy as np
 import redis
@@ -13,26 +16,50 @@ import redis
 from broker import codec, pieces, registry
 from broker.connection import OUTAGE, quick
 from broker.errors import DecodeError
-from pipeline.learner import DEFER
+from pipeline.learner_questions import DEFER, Found
 from workers.common import RunContext, decode_values
 from workers.learner_net import LearnerNet
 
 log = logging.getLogger("diloco.learner")
 
 
+class Answer(NamedTuple):
+    """`MergeQuestions.answer`'s arguments, as the network thread puts them in the inbox."""
+
+    fragment: int
+    key: tuple[int, int]
+    found: Found
+
+
 class MergedLookup:
-    """`LearnerCore.merged_lookup` for one learner (see module docstring)."""
+    """The answers for one learner (see module docstring): `ask` on the training thread,
+    `serve` on the network thread."""
 
     def __init__(self, ctx: RunContext, learner_id: str, net: LearnerNet):
         self.ctx, self.id, self.net = ctx, learner_id, net
-        self._quick: redis.Redis | None = None  # fail-fast reads of the training loop
+        self._quick: redis.Redis | None = None  # fail-fast reads
+        self.questions: queue.Queue[tuple[int, tuple[int, int]]] = queue.Queue()
+        net.serve_lookups = self.serve
+
+    def ask(self, p: int, key: tuple[int, int]) -> None:
+        """Was fragment p's push `key` (base version, step) merged? Answered by `serve`."""
+        self.questions.put((p, key))
+
+    def serve(self) -> None:
+        """Answer every question asked so far (the network thread's loop runs this)."""
+        while True:
+            try:
+                p, key = self.questions.get_nowait()
+            except queue.Empty:
+                return
+            self.net.inbox.put(Answer(p, key, self.lookup(p, key)))
 
     def close(self) -> None:
         if self._quick is not None:
             self._quick.close()
 
-    def __call__(self, p: int, f: Any) -> tuple[int, dict[str, np.ndarray]] | str | None:
-        """Was fragment p's push in flight merged, though its value never came? Then that
+    def lookup(self, p: int, key: tuple[int, int]) -> Found:
+        """Was fragment p's push `key` merged, though its value never came? Then that
         version's value (or the latest, if Redis no longer keeps it) from its snapshot, for
         `LearnerCore.rebase_merged`; None when it was not; `DEFER` when Redis cannot say now
         (unreachable: the training loop must not wait on it, and pushing everything again
@@ -45,7 +72,7 @@ class MergedLookup:
                 self._quick = quick(self.ctx.r)
             r = self._quick
             rec = registry.merged(r, self.ctx.keys, self.id, p)
-            if rec is None or (rec.base_version, rec.step) != f.key:
+            if rec is None or (rec.base_version, rec.step) != key:
                 return None
             limit = self.ctx.cfg.broker.max_payload_bytes
             blob = (pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
@@ -55,11 +82,11 @@ class MergedLookup:
             header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
         except (redis.RedisError, *OUTAGE) as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing at the fragment's next turn", self.id, f.key[1], p, e)
+                        "pushing at the fragment's next turn", self.id, key[1], p, e)
             return DEFER
         except DecodeError as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
-                        "pushing all its progress again", self.id, f.key[1], p, e)
+                        "pushing all its progress again", self.id, key[1], p, e)
             return None
         problem = self.net.check_value(header, tensors)
         if problem or header.fragment != p or header.version < rec.version:
@@ -72,6 +99,6 @@ class MergedLookup:
             return None
         self.net.joined_at(p, header.version, values)
         log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
-                 "rebased onto v%d, pushing only the progress since", self.id, f.key[1], p,
+                 "rebased onto v%d, pushing only the progress since", self.id, key[1], p,
                  rec.version, header.version)
         return header.version, values

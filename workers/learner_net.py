@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,10 @@ class LearnerNet(threading.Thread):
         self.sub = Subscriber(zctx, range(len(ctx.fragments)), hwm=self.bcfg.zmq_hwm,
                               max_bytes=self.bcfg.max_payload_bytes, curve=curve)
         self.outbox: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue[MergedValue] = queue.Queue()
+        # merged values for the training loop, and the answers of `serve_lookups` (the
+        # island's `MergedLookup.serve`, run on this thread)
+        self.inbox: queue.Queue = queue.Queue()
+        self.serve_lookups: Callable[[], None] | None = None
         self.snapshot_requests: queue.Queue = queue.Queue()
         self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
         self.redis_down = False  # Redis failed this thread's last call (and no call since)
@@ -200,6 +204,8 @@ class LearnerNet(threading.Thread):
                 if self.stop_event.is_set():  # superseded: nothing more, not even a repair
                     return
                 self._serve_snapshots()
+                if self.serve_lookups is not None:
+                    self.serve_lookups()
                 if down_since is not None:
                     self._verify_last_pushes()
                     self.stats.redis_down_s += now - down_since

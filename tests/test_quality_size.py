@@ -44,6 +44,13 @@ def test_both_sides_are_swept_by_one_rule_then_seed_1_at_each_best():
     assert plan(done) == []
 
 
+def test_a_best_rate_at_the_top_of_the_shared_grid_extends_above_it():
+    done = {name((DDP, lr, 0)): 2.0 - lr for lr in (4e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)}
+    assert plan(done)[0] == (DDP, 3.2e-2, 0)
+    done[name((DDP, 3.2e-2, 0))] = 2.0  # worse: 1.6e-2 is bracketed, its seed 1 may start
+    assert (DDP, 1.6e-2, 1) in plan(done)
+
+
 def test_the_command_runs_the_shipped_base_at_the_sizes_model():
     cmd = command("0.05M", (SHIP, 2e-3, 1), Path("/o"))
     i = cmd.index("--model")

@@ -7,7 +7,7 @@ At each size of `SIZES` (~0.05M, ~0.2M and the default model's 0.84M parameters:
 parallel against the shipped decoupled setting (``--model shipped``: every sync and outer
 setting as `RunConfig()` ships it), 2,000 inner steps per learner at batch 16, M = 4, the same
 data and evaluation as BENCHMARKS.md §1.3. Each side's inner learning rate is swept by the
-rule of `ops.bench.quality_default` (1e-3, 4e-4, 2e-3, then along `GRID` until its best is
+rule of `ops.bench.quality_default` (1e-3, 4e-4, 2e-3, then along `LADDER` until its best is
 bracketed: both sides get the same rule, so data parallel's tuning budget is ours); then seed
 1 of each at its own best. The smallest size first, each size in ``OUT/<size>``: every run
 is one ``diloco bench quality`` run that writes its result when it ends, so run this again
@@ -51,6 +51,9 @@ SIZES = {"0.05M": ({"model.d_model": 32, "model.n_layers": 3}, 49_600),
          "0.2M": ({"model.d_model": 64, "model.n_layers": 4}, 222_336),
          "0.84M": ({}, 837_888)}
 SEEDS = (0, 1)
+# the inner learning rates a sweep may extend to: `GRID` and, for the smaller models, whose best
+# rates are higher, two more above it
+LADDER = (*GRID, 3.2e-2, 6.4e-2)
 # the default model's data parallel rows (BENCHMARKS.md §1.3, 2026-12-04)
 REUSED_DDP = ("0.84M", Path("docs/bench/quality_default_results.json"))
 # Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4: DiLoCo M = 4 against data
@@ -61,7 +64,7 @@ PUBLISHED = ((35e6, 0.039), (180e6, 0.023), (2.4e9, 0.011))
 def plan(done: dict[str, float]) -> list[Run]:
     """One size's runs still wanted that can start now (`done`: its finished runs' losses):
     both sweeps interleaved, then seed 1 of each at its best."""
-    sweeps = [(v, *_bracket(done, lambda lr, v=v: name((v, lr, 0)), START, GRID)[:2])
+    sweeps = [(v, *_bracket(done, lambda lr, v=v: name((v, lr, 0)), START, LADDER)[:2])
               for v in (DDP, SHIP)]
     wanted: list[Run] = []
     for i in range(max(len(todo) for _, todo, _ in sweeps)):
@@ -99,7 +102,7 @@ def summary(out: Path) -> dict[str, dict]:
     for size, (_, params) in SIZES.items():
         results = _read(out / size / "results.json")
         done = losses(results)
-        best = {v: _bracket(done, lambda lr, v=v: name((v, lr, 0)), START, GRID)[1]
+        best = {v: _bracket(done, lambda lr, v=v: name((v, lr, 0)), START, LADDER)[1]
                 for v in (DDP, SHIP)}
         if None in best.values():
             continue

@@ -470,6 +470,7 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
     checkpoint — and holds exactly the first one's state; the next round continues from it.
     `diloco export`'s reader returns the values of v5, and replay verifies the whole run.
     In pieces of 2 KiB, the states (~8 KB) and snapshots take the same path piece by piece."""
+    from broker import codec
     from broker.errors import BrokerError
     from ops.cluster import global_params, published_params
     from ops.tools.replay import replay
@@ -516,6 +517,12 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
             kept = r.dump(fk.global_)
             r.restore(fk.global_, 0, r.dump(keys.fragment(OTHER).global_), replace=True)
             with pytest.raises(BrokerError, match=f"fragment {P}'s snapshot"):
+                published_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments, ctx.shapes)
+            nan = {k: quant.QTensor("fp32", v.shape, np.full(v.size, np.nan, np.float32), None, 0)
+                   for k, v in first.sent_values.items()}
+            r.delete(fk.global_)
+            r.set(fk.global_, codec.pack_snapshot(run, P, 5, nan))
+            with pytest.raises(BrokerError, match="non-finite"):
                 published_params(ctx.r, ctx.keys, ctx.cfg, ctx.fragments, ctx.shapes)
             r.restore(fk.global_, 0, kept, replace=True)
             ctx.r.close()

@@ -72,7 +72,7 @@ def published_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig,
 
     Raises:
         BrokerError: A fragment has no published value yet, or a snapshot that does not
-            decode or does not hold the fragment's parameters.
+            decode, does not hold the fragment's parameters or holds non-finite values.
     """
     params: dict[str, np.ndarray] = {}
     versions = []
@@ -86,6 +86,8 @@ def published_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig,
         if {k: v.shape for k, v in snap[1].items()} != {n: tuple(shapes[n]) for n in names}:
             raise BrokerError(f"fragment {p}'s snapshot does not hold the fragment's "
                               f"parameters and shapes")
+        if not all(np.isfinite(v).all() for v in snap[1].values()):
+            raise BrokerError(f"fragment {p}'s snapshot holds non-finite values")
         versions.append(snap[0])
         params.update(snap[1])
     return params, versions

@@ -1,8 +1,8 @@
 """The records that cross process boundaries, one type each, with their encoding.
 
-A stream entry's plain fields (a contribution) are :class:`broker.entries.EntryMeta`, encoded by
-:func:`broker.entries.entry_fields` and decoded by :func:`broker.entries.parse_entry`. This module
-holds the others:
+A stream entry's plain fields (a contribution) are :class:`pipeline.contribution.PushHeader`,
+encoded by :func:`broker.entries.entry_fields` and decoded by :func:`broker.entries.parse_entry`.
+This module holds the others:
 
 * :class:`RoundRecord` — one closed round, an entry of a fragment's ``:rounds`` stream;
 * :class:`Heartbeat` — a learner's last heartbeat, a field of the run's ``:learners`` hash;

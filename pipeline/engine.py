@@ -285,6 +285,7 @@ class Engine:
             for p, key in questions.items():
                 lr.core.questions.answer(p, key, self._merged_lookup(lr.name, p, key))
             lr.params, more = lr.core.resume(lr.step, lr.params)
+            lr.core.questions.take_used()  # nothing here keeps its own record of the value
             pushes += more
         for push in pushes:
             self._send(lr, push, t_end)

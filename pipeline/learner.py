@@ -45,7 +45,6 @@ from pipeline.model import Params
 UNKNOWN = "unknown"
 
 
-
 class MergedValue(NamedTuple):
     """A merged value on its way to the training loop (the network thread's inbox, then the
     core's pending value of its fragment): the fragment, its version, its fp32 values, and
@@ -184,10 +183,11 @@ class LearnerCore:
     def _turn(self, p: int, step: int, params: Params) -> tuple[Params, Push | None]:
         """Fragment p's turn to push: over a push in flight whose value is H steps late, only
         once the driver has said whether a round merged it."""
-        self.questions.waiting.discard(p)
         f = self.inflight[p]
-        if (f is not None and self._superseding(p, step) and f.pushed is not None
+        if not (f is not None and self._superseding(p, step) and f.pushed is not None
                 and self.questions.on and self.pending[p] is None):
+            self.questions.drop(p)
+        else:
             answered, found = self.questions.answered(p, f.key)
             if not answered:
                 return params, None
@@ -195,6 +195,7 @@ class LearnerCore:
                 return params, None
             if found is not None and found[0] > self.base_version[p]:
                 params = self.rebase_merged(p, found[0], found[1], params)
+                self.questions.used.append((p, found[0], found[1]))
             elif found is None:
                 # not merged: the new δ holds the old one whole, so the residual it
                 # carried in is what the rounds have still not seen
@@ -293,7 +294,6 @@ class LearnerCore:
             return False
         self.pending[p] = MergedValue(p, version, _fp32(self.fragments[p], value), merged)
         return True
-
 
     def apply_at(self, p: int) -> int | None:
         """Step at which fragment p's pending value is applied (None: nothing pending)."""

@@ -27,6 +27,9 @@ class MergeQuestions:
         self.answers: dict[int, tuple[Key, Found]] = {}
         self.waiting: set[int] = set()  # fragments whose push waits for an answer
         self._open: dict[int, Key] = {}  # asked and not answered yet
+        # (fragment, version, value) of each answer the core applied since the driver last
+        # took them (`take_used`): the driver's own record of the fragment moves with it
+        self.used: list[tuple[int, int, Mapping[str, np.ndarray]]] = []
 
     def take(self) -> dict[int, Key]:
         """The questions asked since the last call, for the driver to answer."""
@@ -34,9 +37,22 @@ class MergeQuestions:
         return out
 
     def answer(self, p: int, key: Key, found: Found) -> None:
-        """The driver's answer about fragment p's push `key`. One about a push no longer in
-        flight is not taken for another."""
-        self.answers[p] = (key, found)
+        """The driver's answer about fragment p's push `key`; one about a question no longer
+        open (another push, or one whose turn came without it) is dropped."""
+        if self._open.get(p) == key:
+            self.answers[p] = (key, found)
+
+    def drop(self, p: int) -> None:
+        """Fragment p's turn needs no answer (its value came, or nothing is in flight): an
+        open question's answer, when it comes, is dropped."""
+        self._open.pop(p, None)
+        self.answers.pop(p, None)
+        self.waiting.discard(p)
+
+    def take_used(self) -> list[tuple[int, int, Mapping[str, np.ndarray]]]:
+        """The answers the core applied since the last call: (fragment, version, value)."""
+        out, self.used = self.used, []
+        return out
 
     def answered(self, p: int, key: Key) -> tuple[bool, Found]:
         """(whether fragment p's push `key` is answered, the answer); unanswered, it is asked

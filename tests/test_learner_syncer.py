@@ -677,6 +677,16 @@ def test_the_core_asks_and_the_push_waits_for_an_answer_given_later():
     params, pushes = run(core, params, range(13, 14))
     [push] = pushes[13]
     assert core.rebased_merged == 1 and core.questions.waiting == {0}
+    # the answer it applied, for the driver's own record of the fragment (taken once)
+    [(p, version, value)] = core.questions.take_used()
+    assert (p, version) == (1, 3) and core.questions.take_used() == []
+    np.testing.assert_array_equal(value[FC], V[FC])
+    # fragment 0's value comes while it waits: its turn needs no answer, a late one is dropped
+    assert core.on_global(0, 2, {"wte": np.array([5.0, 6.0], F32)})
+    params, pushes = run(core, params, range(14, 15))
+    assert core.questions.waiting == set() and not core.questions.answers
+    core.questions.answer(0, (0, 4), (5, BASE))
+    assert not core.questions.answers
     assert (push.base_version, push.step, push.steps) == (3, 13, 11)
     np.testing.assert_array_equal(decoded(push)[FC], 11 * G[FC])  # only the unmerged part
 

@@ -27,7 +27,7 @@ from broker.keys import GROUP, RunKeys
 from broker.records import Heartbeat, Merged, SyncerInfo
 from broker.streams import FragmentStreams
 from pipeline import config as cfgmod
-from pipeline.contribution import PushHeader
+from pipeline.contribution import MergeRecord, PushHeader
 
 RUN = "streams"
 P = 1
@@ -195,9 +195,9 @@ def test_commit_round_writes_everything_and_acks(r, keys, fs, cfg):
                   merged={"L0": Merged(0, 5, 1).to_json(), "L1": Merged(0, 4, 1).to_json()})
     assert r.get(fk.state) == b"STATE1"
     # the merge records, in the round's transaction, read back through the registry
-    assert registry.merged(r, keys, "L0", P) == Merged(0, 5, 1)
-    assert registry.merged(r, keys, "L1", P) == Merged(0, 4, 1)
-    assert registry.merged(r, keys, "L2", P) == Merged(0, 3, 0)
+    assert registry.merged(r, keys, "L0", P) == MergeRecord(0, 5, 1)
+    assert registry.merged(r, keys, "L1", P) == MergeRecord(0, 4, 1)
+    assert registry.merged(r, keys, "L2", P) == MergeRecord(0, 3, 0)
     assert registry.merged(r, keys, "L0", P + 1) is None  # per fragment
     assert r.get(fk.global_) == b"SNAP1"
     assert r.get(fk.sent(1)) == b"SNAP1"

@@ -237,16 +237,16 @@ def read_snapshot(r: redis.Redis, fk: FragmentKeys,
     """(version, decoded values) of the fragment's latest published value, or None.
 
     Raises:
-        DecodeError: A snapshot that does not decode, or one of another fragment.
+        DecodeError: A snapshot that does not decode, or one of another fragment or run.
     """
     blob = pieces.read(r, fk.global_, max_bytes=max_bytes, what="snapshot")
     if blob is None:
         return None
     header, tensors = codec.unpack_snapshot(blob, max_bytes=max_bytes)
     del blob
-    if header.fragment != fk.fragment:
-        raise DecodeError(f"the snapshot of fragment {fk.fragment} says fragment "
-                          f"{header.fragment}")
+    if (header.run, header.fragment) != (fk.run, fk.fragment):
+        raise DecodeError(f"the snapshot of fragment {fk.fragment} of run {fk.run!r} says "
+                          f"fragment {header.fragment} of run {header.run!r}")
     return header.version, decode_values(tensors)
 
 

@@ -238,6 +238,8 @@ class Island:
             flat, pushes = self.core.after_step(self.step, n_tok, flat, seconds=dt)
             for p, key in self.core.questions.take().items():
                 self._lookup.ask(p, key)  # answered by the network thread, through the inbox
+            for p, version, values in self.core.questions.take_used():
+                self.net.joined_at(p, version, values)  # rebased onto it: older ones are late
             for push in pushes:
                 self._send(push)
                 self._push_time[push.fragment] = time.monotonic()
@@ -428,18 +430,19 @@ class Island:
         self._check_net()
         self.last_tick = time.monotonic()
         n = 0
-        try:
-            item = self.net.inbox.get(timeout=timeout_s) if timeout_s else \
-                self.net.inbox.get_nowait()
-            while True:
-                if isinstance(item, Answer):
-                    self.core.questions.answer(*item)
-                else:
-                    self.core.on_global(*item)
-                    n += 1
-                item = self.net.inbox.get_nowait()
-        except queue.Empty:
-            return n
+        deadline = self.last_tick + timeout_s
+        while True:  # waits (up to `timeout_s`) for a merged value, not for an answer
+            wait = deadline - time.monotonic() if n == 0 else 0.0
+            try:
+                item = self.net.inbox.get(timeout=wait) if wait > 0 else \
+                    self.net.inbox.get_nowait()
+            except queue.Empty:
+                return n
+            if isinstance(item, Answer):
+                self.core.questions.answer(*item)
+            else:
+                self.core.on_global(*item)
+                n += 1
 
     def _send(self, push: Push, final: bool = False) -> None:
         if self.poison is not None:  # the poison guard's tests and benchmarks

@@ -46,13 +46,13 @@ class MergedLookup:
         self.questions.put((p, key))
 
     def serve(self) -> None:
-        """Answer every question asked so far (the network thread's loop runs this)."""
-        while True:
-            try:
-                p, key = self.questions.get_nowait()
-            except queue.Empty:
-                return
-            self.net.inbox.put(Answer(p, key, self.lookup(p, key)))
+        """Answer the oldest question asked (the network thread's loop runs this, one answer
+        per pass: a snapshot read each must not hold up heartbeats, pushes and messages)."""
+        try:
+            p, key = self.questions.get_nowait()
+        except queue.Empty:
+            return
+        self.net.inbox.put(Answer(p, key, self.lookup(p, key)))
 
     def close(self) -> None:
         if self._quick is not None:
@@ -97,8 +97,7 @@ class MergedLookup:
         if not all(np.isfinite(v).all() for v in values.values()):
             log.warning("%s: non-finite values in the snapshot of fragment %d", self.id, p)
             return None
-        self.net.joined_at(p, header.version, values)
         log.info("%s: push %d of fragment %d was merged into v%d, whose value never came: "
-                 "rebased onto v%d, pushing only the progress since", self.id, key[1], p,
-                 rec.version, header.version)
+                 "the learner rebases onto v%d and pushes only the progress since", self.id,
+                 key[1], p, rec.version, header.version)
         return header.version, values

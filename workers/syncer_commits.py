@@ -165,24 +165,30 @@ class Commits:
         sh, me = self.sh, self.sh.cfg.syncer_id
         for p, f in list(sh.frags.items()):
             sh.streams.ensure_group(p)
-            stored = self._committed_version(p)
-            if stored < f.core.version:
-                lost = [(rec, acks, m) for rec, acks, m in f.recent if rec.version > stored]
-                log.error("fragment %d: Redis is at version %d, this syncer at %d; "
-                          "re-committing %d round(s)", p, stored, f.core.version, len(lost))
-                if not lost or lost[-1][0].version != f.core.version:
-                    raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
-                # packed before the lease is taken: a large fragment's state can take longer
-                # to pack than the lease lasts on a busy host
-                sent = f.snapshots_since(stored, sh.ctx.keys.run)
+            # packed before the lease is taken: a large fragment's state can take longer to
+            # pack than the lease lasts on a busy host
+            packed_from = self._committed_version(p)
+            state = sent = None
+            if packed_from < f.core.version:
                 state = self.state_blob(f.core)
+                sent = f.snapshots_since(packed_from, sh.ctx.keys.run)
             if not sh.store.acquire_lease(p, me, sh.bcfg.lease_ms):
                 if not sh.auto:
                     raise LeaseLost(f"fragment {p}: another syncer took over during the outage")
                 sh.forget(p, "lease lost")
                 continue
+            stored = self._committed_version(p)  # again, under the lease: it may have moved
             if stored >= f.core.version:
                 continue
+            lost = [(rec, acks, m) for rec, acks, m in f.recent if rec.version > stored]
+            log.error("fragment %d: Redis is at version %d, this syncer at %d; re-committing "
+                      "%d round(s)", p, stored, f.core.version, len(lost))
+            if not lost or lost[-1][0].version != f.core.version:
+                raise LeaseLost(f"fragment {p}: cannot rebuild rounds Redis lost")
+            if state is None or stored < packed_from:  # Redis lost more meanwhile
+                state = state or self.state_blob(f.core)
+                sent = f.snapshots_since(stored, sh.ctx.keys.run)
+            sent = {v: blob for v, blob in sent.items() if v > stored}
             sh.store.commit_round(
                 p, me, state=state,
                 snapshot=sent[f.core.version], version=f.core.version,

@@ -39,6 +39,7 @@ from broker import codec, registry
 from broker.connection import connect
 from broker.keys import GROUP
 from broker.pubsub import Subscriber
+from broker.records import read_rounds
 from broker.streams import FragmentStreams
 from pipeline import quant
 from pipeline.syncer import Contribution
@@ -421,6 +422,31 @@ def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url, slow_pa
         assert slow_pack or r.get(fk.lease) == b"syncer-0"  # (500 ms: expired again by now)
     assert_merged_once(r, keys, ids)
     assert state_version(r, fk) == 1
+
+
+def test_a_drop_inside_an_open_round_has_an_event_naming_its_push(r, redis_url):
+    """A push refused while a round is open is named in that round's record by entry id only;
+    its "dropped" event names the push (learner, base version, step), so the chaos ledger
+    accounts for it after the entry is trimmed. A duplicate gets no event (its first copy
+    accounts for the push)."""
+    cfg = recovery_config()
+    run = "drop-in-round"
+    keys = store_run(r, run, cfg)
+    first, _ = push_contribution(r, keys, cfg, L0)  # opens the round (quorum 2)
+    ahead = push(r, keys, P, contribution_fields("L1", P, make_delta(cfg, P, 7), base_version=5,
+                                                 step=3))
+    push(r, keys, P, dict(r.xrange(keys.fragment(P).frags, first, first)[0][1]))  # a copy
+    second, _ = push_contribution(r, keys, cfg, L1)
+    with syncer_in_process(SyncerConfig(redis_url, run, max_rounds=1)) as (s, _):
+        s.start()
+        wait_for(lambda: s.poll_once() or s.frags[P].core.version == 1, timeout_s=10,
+                 what="the round")
+    [rec] = read_rounds(r, keys.fragment(P))
+    assert {e for e, _ in rec.dropped} >= {ahead} and len(rec.included) == 2
+    events = [f for _, f in r.xrange(keys.events) if f[b"kind"] == b"dropped"]
+    assert [(f[b"entry"].decode(), f[b"learner"], int(f[b"base_version"]), int(f[b"step"]))
+            for f in events] == [(ahead, b"L1", 5, 3)]
+    assert b"ahead" in events[0][b"reason"]
 
 
 # ------------------------------------------------------------ checkpoints and replayed rounds

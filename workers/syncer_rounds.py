@@ -9,7 +9,7 @@ import logging
 import time
 
 from broker import codec
-from broker.records import Included, Merged, RoundRecord
+from broker.records import Drop, Included, Merged, RoundRecord
 from pipeline.syncer import FINAL_FLUSH, FragmentSyncer, RoundRefused, RoundResult
 from workers.syncer_commits import Commits
 from workers.syncer_intake import Intake
@@ -100,8 +100,16 @@ class Rounds:
         st.quorum_wait_s, st.grace_wait_s = record.quorum_wait_s, record.grace_wait_s
         st.last_reason = result.reason
         self.commits.trim(p, f)
-        f.entries, f.ack_extra, f.drop_keys = {}, [], {}  # (the round record names the drops)
+        # the round record names its drops by entry id; their events name the pushes too, so
+        # a drop stays accounted once its entry is trimmed
+        drops = [(e, why, f.drop_keys[e]) for e, why in result.dropped
+                 if why.kind is not Drop.DUPLICATE and e in f.drop_keys]
+        f.entries, f.ack_extra, f.drop_keys = {}, [], {}
         self._report(result, record)  # (events reach Redis: after the round's own state)
+        for entry_id, reason, (learner, base_version, step) in drops:
+            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason,
+                          learner=learner, base_version=base_version, step=step,
+                          version=result.version)
         deferred, f.deferred = f.deferred, []
         for e in deferred:
             self.intake.offer(e)

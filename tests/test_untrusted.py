@@ -420,3 +420,21 @@ def test_a_refused_learner_does_not_count_for_the_quorum_or_the_round_share():
     assert s.round_share(len(s.counted(live))) == 1 / 3
     assert s.offer(_c("L3", 2), 0.0, 256)[0]  # an honest push clears the suspicion
     assert s.counted(live) == live
+
+
+def test_a_learner_refuses_to_join_from_a_snapshot_that_is_not_its_fragments(redis_url):
+    """A snapshot in Redis whose tensors are not the fragment's (a stolen credential, or
+    another run's data): the learner refuses it in one line and exits; no traceback."""
+    from broker import codec
+
+    r = connect(redis_url)
+    keys = store_run(r, "forged", tiny_config())
+    forged = {"not-a-parameter": quant.quantize(np.zeros(4, np.float32), "fp32", 64)}
+    r.set(keys.fragment(0).global_, codec.pack_snapshot("forged", 0, 1, forged))
+    out = subprocess.run([sys.executable, "-m", "workers.learner", "--redis-url", redis_url,
+                          "--run", "forged", "--id", "L0"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    r.close()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "does not hold the fragment's tensors" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -15,6 +15,7 @@ import time
 import tomllib
 import traceback
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,12 +233,15 @@ def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
     return {k: quant.dequantize(q) for k, q in tensors.items()}
 
 
-def read_snapshot(r: redis.Redis, fk: FragmentKeys,
-                  max_bytes: int) -> tuple[int, dict[str, np.ndarray]] | None:
+def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
+                  shapes: Mapping[str, tuple[int, ...]]
+                  ) -> tuple[int, dict[str, np.ndarray]] | None:
     """(version, decoded values) of the fragment's latest published value, or None.
 
     Raises:
-        DecodeError: A snapshot that does not decode, or one of another fragment or run.
+        DecodeError: A snapshot that does not decode, one of another fragment or run, one
+            whose tensors are not the fragment's (`shapes`: name → shape), or one holding
+            non-finite values.
     """
     blob = pieces.read(r, fk.global_, max_bytes=max_bytes, what="snapshot")
     if blob is None:
@@ -247,7 +251,13 @@ def read_snapshot(r: redis.Redis, fk: FragmentKeys,
     if (header.run, header.fragment) != (fk.run, fk.fragment):
         raise DecodeError(f"the snapshot of fragment {fk.fragment} of run {fk.run!r} says "
                           f"fragment {header.fragment} of run {header.run!r}")
-    return header.version, decode_values(tensors)
+    if {k: tuple(q.shape) for k, q in tensors.items()} != {k: tuple(s) for k, s in shapes.items()}:
+        raise DecodeError(f"the snapshot of fragment {fk.fragment} does not hold the "
+                          f"fragment's tensors and shapes")
+    values = decode_values(tensors)
+    if not all(np.isfinite(v).all() for v in values.values()):
+        raise DecodeError(f"the snapshot of fragment {fk.fragment} holds non-finite values")
+    return header.version, values
 
 
 def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,

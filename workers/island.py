@@ -371,14 +371,15 @@ class Island:
         versions = []
         deadline = time.monotonic() + self.cfg.wait_config_s
         limit = self.run_cfg.broker.max_payload_bytes
+        shapes = [{n: self.ctx.shapes[n] for n in names} for names in self.ctx.fragments]
         for p in range(len(self.ctx.fragments)):
-            snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit)
+            snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit, shapes[p])
             while snap is None:
                 if time.monotonic() > deadline:
                     raise BrokerError(f"fragment {p} has no global value in Redis; is a syncer "
                                       f"running for run {self.ctx.keys.run!r}?")
                 time.sleep(0.1)
-                snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit)
+                snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit, shapes[p])
             versions.append(snap[0])
             values.update(snap[1])
             self.net.joined_at(p, snap[0], snap[1])

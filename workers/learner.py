@@ -26,7 +26,7 @@ import zmq
 
 from broker import registry, signing
 from broker.connection import quick
-from broker.errors import Superseded
+from broker.errors import BrokerError, Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
@@ -239,6 +239,9 @@ def main(cfg: LearnerConfig) -> int:
     except Superseded as e:  # another process runs as this learner now: it carries on
         log.error("%s", e)
         return EXIT_SUPERSEDED
+    except BrokerError as e:  # e.g. no value to join from, or a snapshot refused: one line
+        log.error("%s: %s", cfg.learner_id, e)
+        return 1
     finally:
         learner.island.close()
         zctx.term()

@@ -78,16 +78,12 @@ def published_params(r: redis.Redis, keys: RunKeys, cfg: RunConfig,
     versions = []
     for p, names in enumerate(fragments):
         try:
-            snap = read_snapshot(r, keys.fragment(p), cfg.broker.max_payload_bytes)
+            snap = read_snapshot(r, keys.fragment(p), cfg.broker.max_payload_bytes,
+                                 {n: shapes[n] for n in names})
         except DecodeError as e:
             raise BrokerError(f"fragment {p}'s snapshot: {e}") from e
         if snap is None:
             raise BrokerError(f"fragment {p} has no published value")
-        if {k: v.shape for k, v in snap[1].items()} != {n: tuple(shapes[n]) for n in names}:
-            raise BrokerError(f"fragment {p}'s snapshot does not hold the fragment's "
-                              f"parameters and shapes")
-        if not all(np.isfinite(v).all() for v in snap[1].values()):
-            raise BrokerError(f"fragment {p}'s snapshot holds non-finite values")
         versions.append(snap[0])
         params.update(snap[1])
     return params, versions

@@ -293,6 +293,7 @@ def topic(fragment: int) -> bytes:
 def _global_parts(
     run: str, fragment: int, version: int, tensors: Mapping[str, QTensor],
     base: int = -1, value: str = "", merged: Mapping[str, tuple[int, int]] | None = None,
+    sha256: str | None = None,
 ) -> tuple[dict[str, Any], list[memoryview]]:
     """The header dict and the tensor buffers (data, then scales if any, per tensor)."""
     topic(fragment)
@@ -322,7 +323,7 @@ def _global_parts(
         "codecs": [q.codec for q in tensors.values()],
         "shapes": [[int(d) for d in q.shape] for q in tensors.values()],
         "blocks": [int(q.block) for q in tensors.values()],
-        "sha256": sha256_hex(*bufs),
+        "sha256": sha256 or sha256_hex(*bufs),
     }
     if value:
         header.update(base=int(base), value=value)
@@ -463,13 +464,15 @@ def parse_global_frames(
     return header, _tensors_from(header, views[2:])
 
 
-def pack_snapshot(run: str, fragment: int, version: int, tensors: Mapping[str, QTensor]) -> bytes:
+def pack_snapshot(run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
+                  sha256: str | None = None) -> bytes:
     """Serialise a merged fragment value as one blob: msgpack ``{"h": header, "t": [bufs]}``.
+    `sha256`: their `quant.tensors_hash` if they are in name order (so not hashed twice).
 
     Raises:
         ValueError: As :func:`global_frames`.
     """
-    header, bufs = _global_parts(run, fragment, version, tensors)
+    header, bufs = _global_parts(run, fragment, version, tensors, sha256=sha256)
     return msgpack.packb({"h": header, "t": bufs}, use_bin_type=True)
 
 

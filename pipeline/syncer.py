@@ -172,8 +172,10 @@ class FragmentSyncer:
     @property
     def snapshot_tensors(self) -> dict[str, quant.QTensor]:
         """The current value as snapshots store it: what was sent, or with the delta down link
-        the reference itself in fp32 (a delta is no use to a learner that missed the last)."""
-        return full_value(self.sent_values) if self.sync_cfg.down_delta else self.sent
+        the reference itself in fp32 (a delta is no use to a learner that missed the last); in
+        name order, so that the snapshot's SHA-256 is `sent_hash` (hashed once a version)."""
+        t = full_value(self.sent_values) if self.sync_cfg.down_delta else self.sent
+        return {k: t[k] for k in sorted(t)}
 
     @property
     def sent_hash(self) -> str:

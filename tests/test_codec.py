@@ -579,3 +579,16 @@ def test_fuzz_structure() -> None:
         _decode_all("snapshot", msgpack.packb(_structural(rng, snap), use_bin_type=True))
         new_header = msgpack.packb(_structural(rng, header), use_bin_type=True)
         _decode_all("frames", [frames[0], new_header, *frames[2:]])
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+def test_a_snapshot_in_name_order_takes_the_value_hash_as_its_own(codec_name: str) -> None:
+    """The record's value hash (`tensors_hash`, by name) is the snapshot's header SHA-256 when
+    the tensors are in name order: the syncer passes it instead of hashing the value again,
+    and the blob is byte for byte the one hashed here."""
+    from pipeline.quant import tensors_hash
+
+    tensors = dict(sorted(_tensors(codec_name).items()))
+    blob = pack_snapshot("r", 3, 7, tensors)
+    assert pack_snapshot("r", 3, 7, tensors, sha256=tensors_hash(tensors)) == blob
+    assert unpack_snapshot(blob)[0].sha256 == tensors_hash(tensors)

@@ -87,12 +87,14 @@ def test_a_restarted_syncer_publishes_its_exact_reference_whole():
 
 
 def test_snapshots_hold_whole_values_only():
-    s = FragmentSyncer(0, _theta({"w": (4, 4)}), OuterConfig(), DELTA,
+    s = FragmentSyncer(0, _theta({"w": (4, 4), "b": (4,), "a": (2, 2)}), OuterConfig(), DELTA,
                        is_embedding=lambda n: False)
     _round(s, 0)
     blob = codec.pack_snapshot("dl", 0, s.version, s.snapshot_tensors)
     header, tensors = codec.unpack_snapshot(blob)
     assert header.base == -1 and quant.tensors_hash(tensors) == s.sent_hash
+    # in name order: the value's hash is the snapshot's own (the syncer hashes it once)
+    assert list(header.names) == ["a", "b", "w"] and header.sha256 == s.sent_hash
     with pytest.raises(ValueError, match="needs the SHA-256"):
         codec.global_frames("dl", 0, 3, s.sent, base=2)
     with pytest.raises(ValueError, match="base"):

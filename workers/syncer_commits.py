@@ -35,7 +35,7 @@ class Commits:
 
     def snapshot(self, core: FragmentSyncer) -> bytes:
         return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
-                                   core.snapshot_tensors)
+                                   core.snapshot_tensors, sha256=core.sent_hash)
 
     def checkpoint_due(self, f: FragState) -> bool:
         """Whether the round being committed writes the fragment's full state."""

@@ -65,9 +65,7 @@ class Rounds:
         """Acknowledge refused entries when no round is open (their drop reasons are logged)."""
         f = self.sh.frags[p]
         for entry_id, reason in f.core.take_drops():
-            learner, base_version, step = f.drop_keys.get(entry_id, ("", -1, -1))
-            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason,
-                          learner=learner, base_version=base_version, step=step)
+            self._dropped(p, entry_id, reason, f.drop_keys.get(entry_id, ("", -1, -1)))
         self.sh.streams.ack_only(p, f.ack_extra)
         f.ack_extra, f.drop_keys = [], {}
 
@@ -106,13 +104,19 @@ class Rounds:
                  if why.kind is not Drop.DUPLICATE and e in f.drop_keys]
         f.entries, f.ack_extra, f.drop_keys = {}, [], {}
         self._report(result, record)  # (events reach Redis: after the round's own state)
-        for entry_id, reason, (learner, base_version, step) in drops:
-            self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason,
-                          learner=learner, base_version=base_version, step=step,
-                          version=result.version)
+        for entry_id, reason, key in drops:
+            self._dropped(p, entry_id, reason, key, version=result.version)
         deferred, f.deferred = f.deferred, []
         for e in deferred:
             self.intake.offer(e)
+
+    def _dropped(self, p: int, entry_id: str, reason: str, key: tuple[str, int, int],
+                 **extra) -> None:
+        """The event of a refused push, naming it (learner, base version, step): the chaos
+        ledger accounts for it once its entry is trimmed."""
+        learner, base_version, step = key
+        self.sh.event("dropped", fragment=p, entry=entry_id, reason=reason, learner=learner,
+                      base_version=base_version, step=step, **extra)
 
     def _report(self, result: RoundResult, record: RoundRecord) -> None:
         """A committed round's curves, log line and events."""

@@ -61,11 +61,15 @@ REUSED_DDP = ("0.84M", Path("docs/bench/quality_default_results.json"))
 PUBLISHED = ((35e6, 0.039), (180e6, 0.023), (2.4e9, 0.011))
 
 
+def _sweep(done: dict[str, float], variant: str) -> tuple[list[float], float | None]:
+    """`variant`'s seed-0 inner lr sweep: (rates still to run, its best once bracketed)."""
+    return _bracket(done, lambda lr: name((variant, lr, 0)), START, LADDER)[:2]
+
+
 def plan(done: dict[str, float]) -> list[Run]:
     """One size's runs still wanted that can start now (`done`: its finished runs' losses):
     both sweeps interleaved, then seed 1 of each at its best."""
-    sweeps = [(v, *_bracket(done, lambda lr, v=v: name((v, lr, 0)), START, LADDER)[:2])
-              for v in (DDP, SHIP)]
+    sweeps = [(v, *_sweep(done, v)) for v in (DDP, SHIP)]
     wanted: list[Run] = []
     for i in range(max(len(todo) for _, todo, _ in sweeps)):
         wanted += [(v, todo[i], 0) for v, todo, _ in sweeps if i < len(todo)]
@@ -102,8 +106,7 @@ def summary(out: Path) -> dict[str, dict]:
     for size, (_, params) in SIZES.items():
         results = _read(out / size / "results.json")
         done = losses(results)
-        best = {v: _bracket(done, lambda lr, v=v: name((v, lr, 0)), START, LADDER)[1]
-                for v in (DDP, SHIP)}
+        best = {v: _sweep(done, v)[1] for v in (DDP, SHIP)}
         if None in best.values():
             continue
         by_seed = {v: {s: done[name((v, best[v], s))] for s in SEEDS

@@ -58,14 +58,10 @@ WIRE_VERSION = 1
 # dtype allowlist of the payload of each codec (little-endian on the wire).
 _WIRE_DTYPE = {"fp32": "<f4", "bf16": "<u2", "int8": "|i1", "int4": "|u1"}
 _BLOCKED = ("int8", "int4")
-_MAX_NDIM = MAX_NDIM
 _MAX_ELEMENTS = 2**40
 _MAX_BLOCK = 2**31
-_MAX_NAME = MAX_NAME
-_MAX_TENSORS = MAX_TENSORS  # no model has more, no fragment either
 _MAX_RUN = 64  # broker.keys: a run name is 1-64 characters
 _MAX_HEADER_BYTES = 16 * 2**20
-_MAX_FRAGMENT = MAX_FRAGMENT  # topic() is fixed width: four decimal digits
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _HEADER_KEYS = {"v", "run", "fragment", "version", "names", "codecs", "shapes", "blocks", "sha256"}
 _DELTA_HEADER_KEYS = _HEADER_KEYS | {"base", "value"}
@@ -109,27 +105,27 @@ def is_int(v: object) -> bool:
 
 
 _CODEC_NAME = MStr(8, CODECS)
-_SHAPE = MList(M_INT, _MAX_NDIM)
+_SHAPE = MList(M_INT, MAX_NDIM)
 # pack_tensors: {"v": 1, "t": [[name, codec, shape, block, dtype, data, scales|None], ...]}
 _PAYLOAD_SCHEMA = MMap({"v": M_INT, "t": MList(MTuple(
-    MStr(_MAX_NAME), _CODEC_NAME, _SHAPE, M_INT, MStr(8, _WIRE_DTYPE.values()), MBin(),
+    MStr(MAX_NAME), _CODEC_NAME, _SHAPE, M_INT, MStr(8, _WIRE_DTYPE.values()), MBin(),
     MOneOf(MBin(), M_NIL),
-), _MAX_TENSORS)})
+), MAX_TENSORS)})
 _HEADER_SCHEMA = MMap({
     "v": M_INT, "run": MStr(4 * _MAX_RUN), "fragment": M_INT, "version": M_INT,
-    "names": MList(MStr(_MAX_NAME), _MAX_TENSORS), "codecs": MList(_CODEC_NAME, _MAX_TENSORS),
-    "shapes": MList(_SHAPE, _MAX_TENSORS), "blocks": MList(M_INT, _MAX_TENSORS),
+    "names": MList(MStr(MAX_NAME), MAX_TENSORS), "codecs": MList(_CODEC_NAME, MAX_TENSORS),
+    "shapes": MList(_SHAPE, MAX_TENSORS), "blocks": MList(M_INT, MAX_TENSORS),
     "sha256": MStr(64),
 }, optional={"base": M_INT, "value": MStr(64), "merged": MDict(
     limits.MAX_LEARNER_ID, MTuple(M_INT, M_INT), limits.MAX_LEARNERS)},
     same_len=("names", "codecs", "shapes", "blocks"))
 # pack_snapshot: {"h": header, "t": [data_0, scales_0?, data_1, ...]}
-_SNAPSHOT_SCHEMA = MMap({"h": _HEADER_SCHEMA, "t": MList(MBin(), 2 * _MAX_TENSORS)})
+_SNAPSHOT_SCHEMA = MMap({"h": _HEADER_SCHEMA, "t": MList(MBin(), 2 * MAX_TENSORS)})
 
 
 def _shape_of(raw: object) -> tuple[int, ...]:
-    if not isinstance(raw, list | tuple) or len(raw) > _MAX_NDIM:
-        raise DecodeError(f"shape must be a list of at most {_MAX_NDIM} ints")
+    if not isinstance(raw, list | tuple) or len(raw) > MAX_NDIM:
+        raise DecodeError(f"shape must be a list of at most {MAX_NDIM} ints")
     if not all(is_int(d) and 0 <= d <= _MAX_ELEMENTS for d in raw):
         raise DecodeError(f"bad shape {_r(raw)}")
     shape = tuple(raw)
@@ -180,8 +176,8 @@ def _build(
 
 def _wire_arrays(name: str, q: QTensor) -> tuple[np.ndarray, np.ndarray | None]:
     """Validate an outgoing QTensor; return its contiguous little-endian data and scales."""
-    if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
-        raise ValueError(f"tensor names must be str of 1..{_MAX_NAME} chars, got {name!r}")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise ValueError(f"tensor names must be str of 1..{MAX_NAME} chars, got {name!r}")
     codec = q.codec
     if codec not in CODECS:
         raise ValueError(f"{name!r}: unknown codec {codec!r}")
@@ -264,7 +260,7 @@ def unpack_tensors(blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[s
         if not isinstance(row, list) or len(row) != 7:
             raise DecodeError("each tensor must be a list of 7 items")
         name, codec, shape, block, dtype, data, scales = row
-        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
             raise DecodeError("tensor name must be a non-empty str")
         if name in out:
             raise DecodeError(f"duplicate tensor name {_r(name)}")
@@ -285,8 +281,8 @@ def topic(fragment: int) -> bytes:
     Raises:
         ValueError: If ``fragment`` is not in ``[0, 9999]``.
     """
-    if not is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
-        raise ValueError(f"fragment must be an int in [0, {_MAX_FRAGMENT}], got {fragment!r}")
+    if not is_int(fragment) or not 0 <= fragment <= MAX_FRAGMENT:
+        raise ValueError(f"fragment must be an int in [0, {MAX_FRAGMENT}], got {fragment!r}")
     return b"f%04d" % int(fragment)
 
 
@@ -354,7 +350,7 @@ def _parse_header(raw: object) -> GlobalHeader:
     run, fragment, version, sha = raw["run"], raw["fragment"], raw["version"], raw["sha256"]
     if not isinstance(run, str) or not run:
         raise DecodeError("run must be a non-empty str")
-    if not is_int(fragment) or not 0 <= fragment <= _MAX_FRAGMENT:
+    if not is_int(fragment) or not 0 <= fragment <= MAX_FRAGMENT:
         raise DecodeError(f"bad fragment {_r(fragment)}")
     if not is_int(version) or version < 0:
         raise DecodeError(f"bad version {_r(version)}")
@@ -364,7 +360,7 @@ def _parse_header(raw: object) -> GlobalHeader:
     if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1:
         raise DecodeError("names, codecs, shapes and blocks must be lists of equal length")
     names, codecs, shapes, blocks = lists
-    if not all(isinstance(n, str) and 0 < len(n) <= _MAX_NAME for n in names):
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in names):
         raise DecodeError("tensor names must be non-empty str")
     if len(set(names)) != len(names):
         raise DecodeError("duplicate tensor names")
@@ -407,6 +403,7 @@ def _tensors_from(header: GlobalHeader, bufs: Sequence[Any]) -> dict[str, QTenso
 def global_frames(
     run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
     base: int = -1, value: str = "", merged: Mapping[str, tuple[int, int]] | None = None,
+    sha256: str | None = None,
 ) -> list[bytes | memoryview]:
     """Build the ZeroMQ multipart message of a merged fragment value.
 
@@ -424,11 +421,12 @@ def global_frames(
         value: The SHA-256 of the value learners hold afterwards (required with a base).
         merged: The round's merge records (learner → base version and step of its push the
             round merged): a learner then needs no Redis read to learn what the value holds.
+        sha256: `quant.tensors_hash(tensors)` if they are in name order (not hashed twice).
 
     Raises:
         ValueError: On invalid arguments or inconsistent tensors.
     """
-    header, bufs = _global_parts(run, fragment, version, tensors, base, value, merged)
+    header, bufs = _global_parts(run, fragment, version, tensors, base, value, merged, sha256)
     return [topic(fragment), msgpack.packb(header, use_bin_type=True), *bufs]
 
 
@@ -493,7 +491,7 @@ def unpack_snapshot(
         raise DecodeError("a snapshot holds a whole value, not a delta (base must be -1)")
     # as many buffers as the header describes, before msgpack builds them
     expected = sum(2 if c in _BLOCKED else 1 for c in header.codecs)
-    got = Scan(scan.buf[t0:t1], "snapshot").count("array", 2 * _MAX_TENSORS, "t")
+    got = Scan(scan.buf[t0:t1], "snapshot").count("array", 2 * MAX_TENSORS, "t")
     if got != expected:
         raise DecodeError(f"{got} tensor buffers, header describes {expected}")
     doc = build_scanned(scan, _SNAPSHOT_SCHEMA)

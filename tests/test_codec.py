@@ -592,3 +592,7 @@ def test_a_snapshot_in_name_order_takes_the_value_hash_as_its_own(codec_name: st
     blob = pack_snapshot("r", 3, 7, tensors)
     assert pack_snapshot("r", 3, 7, tensors, sha256=tensors_hash(tensors)) == blob
     assert unpack_snapshot(blob)[0].sha256 == tensors_hash(tensors)
+    # the whole-value message (`sync.down_delta = false`) takes it the same way
+    frames = global_frames("r", 3, 7, tensors)
+    assert global_frames("r", 3, 7, tensors, sha256=tensors_hash(tensors)) == frames
+    assert parse_global_frames(frames)[0].sha256 == tensors_hash(tensors)

@@ -564,23 +564,42 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
 
 
 @pytest.mark.parametrize("down_delta", [True, False], ids=["delta down link", "sent whole"])
-def test_rounds_redis_lost_are_committed_again_with_their_snapshots(r, redis_url, down_delta):
+def test_rounds_redis_lost_are_committed_again_with_their_snapshots(r, redis_url, down_delta,
+                                                                   monkeypatch):
     """Redis comes back without its last two rounds (an AOF missing its last second): the
     syncer commits them again, each snapshot byte for byte — under the delta down link packed
     again from the fp32 references its history keeps (it holds only the newest packed)."""
     from broker import pieces
 
+    _sha = codec.sha256_hex
     cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2,
                             "down_delta": down_delta},
                       broker={"block_ms": 50, "checkpoint_rounds": 100, "checkpoint_s": 0.0})
     run = "recommit"
     keys = store_run(r, run, cfg)
     fk = keys.fragment(P)
-    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
-        a.start()
-        _rounds(r, keys, cfg, a, 3)
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, zctx):
+        sub = Subscriber(zctx, [P, 9999])
+        try:
+            sub.connect([a.pub.endpoint])
+            _probe_until_subscribed(a.pub, sub, run)
+            a.start()
+            hashed = []
+            monkeypatch.setattr(codec, "sha256_hex", lambda *b: hashed.append(1) or _sha(*b))
+            _rounds(r, keys, cfg, a, 3)
+            monkeypatch.undo()
+            sent = [m[0] for m in iter(lambda: sub.recv(200), None)
+                    if m[0].fragment == P and m[0].version > 0]  # not the start's
+        finally:
+            sub.close()
         held = {v: pieces.read(r, fk.sent(v), max_bytes=2**30) for v in (1, 2, 3)}
         assert len(a.frags[P].snapshots) == (0 if down_delta else 3)
+        # sent whole, a round's message and snapshot hold one value under one SHA-256
+        # (hashed once: the round record's); a delta is another value
+        hashes = {v: codec.unpack_snapshot(held[v])[0].sha256 for v in held}
+        assert [h.version for h in sent] == [1, 2, 3]
+        assert all((h.sha256 == hashes[h.version]) != down_delta for h in sent)
+        assert len(hashed) == (3 if down_delta else 0)  # the deltas' only
         r.xdel(fk.rounds, "2-0", "3-0")
         r.execute_command("XSETID", fk.rounds, "1-0")
         r.delete(fk.sent(2), fk.sent(3))

@@ -154,8 +154,11 @@ class Rounds:
         """Publish the fragment's current value: whole, or a delta with the value's hash;
         with the round's merge records when it was just committed (`pushes`: learner → base
         version and step; None for a re-publish)."""
-        delta = core.sync_cfg.down_delta
-        self.sh.pub.publish(codec.global_frames(self.sh.ctx.keys.run, p, core.version,
-                                                core.sent, base=core.sent_base,
-                                                value=core.sent_hash if delta else "",
-                                                merged=pushes))
+        run, v = self.sh.ctx.keys.run, core.version
+        if core.sync_cfg.down_delta:  # a delta is another value than the one learners hold
+            frames = codec.global_frames(run, p, v, core.sent, base=core.sent_base,
+                                         value=core.sent_hash, merged=pushes)
+        else:  # the whole value, in name order: its SHA-256 is the round's, hashed once
+            frames = codec.global_frames(run, p, v, core.snapshot_tensors, merged=pushes,
+                                         sha256=core.sent_hash)
+        self.sh.pub.publish(frames)

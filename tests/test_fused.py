@@ -56,21 +56,29 @@ SHAPES = [(1, 1, 1, 16, 1.0), (2, 5, 2, 3, 1.0), (2, 17, 2, 32, 1.0), (3, 33, 1,
           (1, 40, 1, 128, 1.0), (1, 9, 1, 256, 1.0), (2, 50, 2, 32, 8.0), (1, 37, 1, 24, 8.0)]
 
 
+def _value_and_vjp(f, w, *args):
+    """f(*args) and the gradient of sum(f * w), from one compiled function, and its lowered
+    text (one trace and one compile: a test's time goes to XLA's compiler, not to the check)."""
+    def both(*a):
+        y, vjp = jax.vjp(f, *a)
+        return y, vjp(w)
+    lowered = jax.jit(both).lower(*args)
+    y, g = lowered.compile()(*args)
+    return y, g, lowered.as_text()
+
+
 @pytest.mark.parametrize("b,t,h,dh,scale", SHAPES)
 def test_kernel_matches_the_definition(kernels, b, t, h, dh, scale):
     qkv, w = _qkv(b, t, h, dh, scale=scale)
 
-    def loss(x):
-        return jnp.sum(fused.causal_attention(x, b, t, h) * w)
+    def attend(x):
+        return fused.causal_attention(x, b, t, h)
 
-    y = jax.jit(lambda x: fused.causal_attention(x, b, t, h))(qkv)
-    g = jax.jit(jax.grad(loss))(qkv)
-    text = jax.jit(jax.grad(loss)).lower(qkv).as_text()
+    y, (g,), text = _value_and_vjp(attend, w, qkv)
     assert fused.FORWARD_TARGET in text and fused.BACKWARD_TARGET in text
     with fused.unfused():
-        y_ref = fused.causal_attention(qkv, b, t, h)
-        g_ref = jax.grad(loss)(qkv)
-        assert fused.FORWARD_TARGET not in jax.jit(jax.grad(loss)).lower(qkv).as_text()
+        y_ref, (g_ref,), text = _value_and_vjp(attend, w, qkv)
+        assert fused.FORWARD_TARGET not in text
     # large scores carry float32's rounding of the scores into the weights: a looser bound
     # (and so does an output's absolute error, whatever its size: a sum of weights ~1 whose
     # own errors are the scores' rounding, ~|score| float32 ulps, times values ~1)
@@ -90,16 +98,10 @@ def test_layer_norm_kernel_matches_the_definition(kernels, n, d):
     g, b = (jnp.asarray(r.standard_normal(d).astype(np.float32)) for _ in range(2))
     w = jnp.asarray(r.standard_normal((n, d)).astype(np.float32))
 
-    def loss(x, g, b):
-        return jnp.sum(fused.layer_norm(x, g, b) * w)
-
-    y = jax.jit(fused.layer_norm)(x, g, b)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, g, b)
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, g, b).as_text()
+    y, grads, text = _value_and_vjp(fused.layer_norm, w, x, g, b)
     assert fused.NORM_FORWARD_TARGET in text and fused.NORM_BACKWARD_TARGET in text
     with fused.unfused():
-        y_ref = fused.layer_norm(x, g, b)
-        grads_ref = jax.grad(loss, argnums=(0, 1, 2))(x, g, b)
+        y_ref, grads_ref, _ = _value_and_vjp(fused.layer_norm, w, x, g, b)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, grads_ref, strict=True):
         scale = float(jnp.max(jnp.abs(want))) or 1.0
@@ -202,7 +204,8 @@ def test_a_training_step_matches_the_definition(kernels):
     from pipeline.task import task_of
     from pipeline.train import make_step
 
-    cfg = cfgmod.override(cfgmod.RunConfig(), **{"model.seq_len": 48, "inner.batch_size": 4})
+    cfg = cfgmod.override(cfgmod.RunConfig(), **{"model.seq_len": 48, "inner.batch_size": 4,
+                                                 "model.n_layers": 2})
     task = task_of(cfg)
     batch = jnp.asarray(np.random.default_rng(1).integers(
         0, cfg.model.vocab_size, (4, cfg.model.seq_len + 1)), jnp.int32)

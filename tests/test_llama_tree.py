@@ -65,10 +65,11 @@ def test_a_nested_tree_crosses_the_wire_bit_for_bit():
 def test_logits_shape_and_causality():
     params = llama.init_params(CFG, 0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, CFG.seq_len)), jnp.int32)
-    logits = llama.forward(params, tokens, CFG)
+    forward = jax.jit(llama.forward, static_argnums=2)  # one compile, not one per operation
+    logits = forward(params, tokens, CFG)
     assert logits.shape == (2, CFG.seq_len, CFG.vocab_size)
     changed = tokens.at[:, 20:].set((tokens[:, 20:] + 1) % 256)
-    later = llama.forward(params, changed, CFG)
+    later = forward(params, changed, CFG)
     np.testing.assert_allclose(logits[:, :20], later[:, :20], rtol=1e-5, atol=1e-6)
     assert not np.allclose(logits[:, 20:], later[:, 20:])
 
@@ -90,7 +91,8 @@ def test_a_wider_vocabulary_and_an_untied_head():
                             seq_len=8)
     params = llama.init_params(cfg, 0)
     assert params["embed"].shape == (1000, 16) and params["head"].shape == (16, 1000)
-    loss, _ = llama.loss_and_accuracy(params, jnp.zeros((1, 9), jnp.int32), cfg)
+    loss, _ = jax.jit(llama.loss_and_accuracy, static_argnums=2)(
+        params, jnp.zeros((1, 9), jnp.int32), cfg)
     assert float(loss) == pytest.approx(np.log(1000), rel=0.05)  # near uniform at init
 
 
@@ -116,10 +118,9 @@ def test_adamw_lowers_the_loss_on_text():
         return optax.apply_updates(params, updates), state, loss
 
     evals = corpus.eval_batches(2, 8)
-    before = np.mean([float(llama.loss_and_accuracy(params, jnp.asarray(b), CFG)[0])
-                      for b in evals])
+    evaluate = jax.jit(llama.loss_and_accuracy, static_argnums=2)
+    before = np.mean([float(evaluate(params, jnp.asarray(b), CFG)[0]) for b in evals])
     for t in range(60):
         params, state, _ = step(params, state, jnp.asarray(corpus.batch(0, t, 8)))
-    after = np.mean([float(llama.loss_and_accuracy(params, jnp.asarray(b), CFG)[0])
-                     for b in evals])
+    after = np.mean([float(evaluate(params, jnp.asarray(b), CFG)[0]) for b in evals])
     assert after < 0.8 * before, (before, after)

@@ -55,9 +55,9 @@ def test_tasks_describe_their_parameters_without_computing_them():
     assert frags[0] == ["embed"] and sorted(sum(frags, [])) == sorted(shapes)
     # loss and logits through flat parameters
     batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
-    loss, _ = task.loss_and_accuracy(params, batch)
+    loss, _ = jax.jit(task.loss_and_accuracy)(params, batch)  # jitted: one compile each
     assert float(loss) == pytest.approx(np.log(256), rel=0.05)
-    assert task.logits(params, batch[:, :-1]).shape == (2, 32, 256)
+    assert jax.jit(task.logits)(params, batch[:, :-1]).shape == (2, 32, 256)
 
 
 def test_the_engine_trains_the_llama_task():

@@ -86,27 +86,18 @@ def test_three_syncers_share_eight_fragments_and_one_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_syncer_killed_after_commit_and_lost_zmq_messages(tmp_path):
-    """A syncer killed between its commit and its publish (its restart dies the same way once
-    more), then one learner's ZeroMQ cut for 5 s: both repaired (re-publish on restart; the
-    snapshot after snapshot_timeout_s)."""
-    rep = chaos(tmp_path, [Fault(8, "kill-syncer-after-commit", "", 1),
-                           Fault(15, "cut-zmq-learner", "L1", 5)], 28)
-    check(rep)
-    assert [f["kind"] for f in rep["faults"]] == ["kill-syncer-after-commit",
-                                                  "cut-zmq-learner"]
-
-
-@pytest.mark.slow
-def test_redis_killed_and_restarted_then_a_long_pause_makes_contributions_stale(tmp_path):
-    """redis-server SIGKILLed and restarted from its AOF, then a learner paused for longer
-    than max_staleness (1) rounds: its late pushes are merged as stale or dropped, with
-    reasons, and it rejoins."""
+def test_syncer_killed_after_commit_lost_zmq_messages_redis_killed_and_a_long_pause(tmp_path):
+    """One run, four faults: a syncer killed between its commit and its publish (its restart
+    dies the same way once more), then one learner's ZeroMQ cut for 5 s — both repaired
+    (re-publish on restart; the snapshot after snapshot_timeout_s); then redis-server
+    SIGKILLed and restarted from its AOF, then a learner paused for longer than max_staleness
+    (1) rounds: its late pushes are merged as stale or dropped, with reasons, and it rejoins."""
     over = {"sync": {**TINY["sync"], "max_staleness": 1}}
-    rep = chaos(tmp_path, [Fault(8, "kill-redis", "", 3), Fault(15, "pause-learner", "L1", 6)],
-                29, **over)
+    faults = [Fault(8, "kill-syncer-after-commit", "", 1), Fault(15, "cut-zmq-learner", "L1", 5),
+              Fault(23, "kill-redis", "", 3), Fault(30, "pause-learner", "L1", 6)]
+    rep = chaos(tmp_path, faults, 44, **over)
     check(rep)
-    assert [f["kind"] for f in rep["faults"]] == ["kill-redis", "pause-learner"]
+    assert [f["kind"] for f in rep["faults"]] == [f.kind for f in faults]
 
 
 def test_random_schedules_are_poisson_and_a_rate_of_zero_means_none():

@@ -19,6 +19,7 @@ MAX_OPTIONS = 256
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("rda", "mean", "trimmed", "robust")
 APPLIES = ("overwrite", "rebase")
+INNER_OPTIMIZERS = ("adamw", "muon")  # pipeline/task.py inner_optimizer
 # How much of an outer step a round takes (see FragmentSyncer.round_share).
 ROUND_STEPS = ("share", "full")
 FINAL_STEPS = ("nesterov", "plain")
@@ -65,7 +66,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    """The learners' inner AdamW optimiser: warmup then cosine decay, global-norm clipping."""
+    """The learners' inner optimiser (AdamW, or Muon for the matrices): warmup then cosine
+    decay, global-norm clipping."""
 
     lr: float = field(default=4e-4, metadata=bounds(1e-7, 1.0))
     warmup_steps: int = field(default=50, metadata=bounds(0, 10**9))
@@ -75,6 +77,11 @@ class InnerConfig:
     weight_decay: float = field(default=0.1, metadata=bounds(0.0, 10.0))
     clip: float = field(default=1.0, metadata=bounds(1e-6, 1e6))
     batch_size: int = field(default=16, metadata=bounds(1, 65536))
+    # "muon": the matrices (2-D, embeddings excepted) follow Muon (`optax.contrib.muon`) at
+    # `muon_lr` on the same schedule, the rest its AdamW (Nesterov momentum) at `lr`
+    optimizer: str = field(default="adamw", metadata={**bounds(choices=INNER_OPTIMIZERS),
+                                                      "added": True})
+    muon_lr: float = field(default=0.02, metadata={**bounds(1e-7, 10.0), "added": True})
 
 
 @dataclass(frozen=True)

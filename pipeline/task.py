@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -94,20 +94,35 @@ class TaskNotNamed(ConfigError):
     """The run trains a user task that this process was not told to import."""
 
 
-def inner_optimizer(cfg: InnerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule."""
+def inner_optimizer(cfg: InnerConfig, total_steps: int,
+                    is_embedding: Callable[[str], bool] = lambda name: False
+                    ) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule; under
+    ``optimizer = "muon"`` the matrices of a flat parameter dict (2-D, embeddings excepted)
+    follow Muon at `muon_lr` on the same schedule's shape, and the rest `optax.contrib.muon`'s
+    AdamW at `lr` (with Nesterov momentum, as Muon's own)."""
     warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else cfg.lr,
-        peak_value=cfg.lr,
-        warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
+
+    def schedule(peak: float) -> optax.Schedule:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
+            decay_steps=max(total_steps, warmup + 1), end_value=peak * cfg.min_lr_ratio)
+
+    if cfg.optimizer == "muon":
+        from optax.contrib import MuonDimensionNumbers, muon
+
+        def matrices(params: Mapping[str, Any]) -> dict[str, MuonDimensionNumbers | None]:
+            # (optax asks again with the AdamW leaves masked out: shapeless, and None)
+            return {n: MuonDimensionNumbers() if len(getattr(v, "shape", ())) == 2
+                    and not is_embedding(n) else None for n, v in params.items()}
+
+        inner = muon(schedule(cfg.muon_lr), weight_decay=cfg.weight_decay,
+                     adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+                     adam_learning_rate=schedule(cfg.lr), muon_weight_dimension_numbers=matrices)
+    else:
+        inner = optax.adamw(schedule(cfg.lr), b1=cfg.b1, b2=cfg.b2,
+                            weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
 
 
 def n_params(task: Task) -> int:
@@ -120,9 +135,10 @@ class _RunDefaults:
     ``[inner]``, the token corpus of ``[data]`` and ``batch_size · seq_len`` tokens a step."""
 
     run: RunConfig
+    is_embedding: Callable[[str], bool]
 
     def optimizer(self) -> optax.GradientTransformation:
-        return inner_optimizer(self.run.inner, self.run.steps)
+        return inner_optimizer(self.run.inner, self.run.steps, self.is_embedding)
 
     def data(self) -> Data:
         return self._corpus

@@ -78,3 +78,53 @@ def test_a_llama_run_with_real_processes_ends_identical_and_replays(tmp_path, re
     assert cfg.task == "llama" and "layers/0/attn/wq" in params
     report = replay.replay(redis_url, "llama")
     assert report["status"] == "verified", report
+
+
+@pytest.mark.parametrize("task_name", ["bytegpt", "llama"])
+def test_muon_orthogonalises_the_matrices_and_adamw_moves_the_rest(task_name):
+    """`inner.optimizer = "muon"`: a matrix's first update is Muon's (its singular values
+    near one another: the momentum orthogonalised), the embeddings' and the vectors' AdamW's
+    (each entry ±lr on the first step); a run recorded before the setting keeps AdamW and its
+    hash, and a few steps on one batch lower the loss."""
+    from pipeline.train import make_step
+
+    inner = {**SMALL["inner"], "warmup_steps": 0}
+    adamw = cfgmod.from_dict({**SMALL, "task": task_name, "inner": inner})
+    assert adamw.inner.optimizer == "adamw" and "optimizer" not in cfgmod.dumps_toml(adamw)
+    cfg = cfgmod.from_dict({**SMALL, "task": task_name,
+                            "inner": {**inner, "optimizer": "muon", "muon_lr": 0.02}})
+    assert cfg.run_hash() != adamw.run_hash()
+    with pytest.raises(ConfigError, match="optimizer"):
+        cfgmod.from_dict({**SMALL, "inner": {**inner, "optimizer": "sgd"}})
+    task = task_of(cfg)
+    params = task.init_params(0)
+    opt = task.optimizer()
+    rng = np.random.default_rng(0)
+    grads = {n: jax.numpy.asarray(rng.standard_normal(v.shape).astype(np.float32))
+             for n, v in params.items()}
+    updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+    norm = np.sqrt(sum(float(np.sum(np.square(g))) for g in grads.values()))  # clip: 1.0
+    kinds = {}
+    for n, u in updates.items():
+        u = np.asarray(u)
+        if u.ndim == 2 and not task.is_embedding(n):
+            s = np.linalg.svd(u, compute_uv=False)
+            kinds[n] = "muon" if s.min() > 0.3 * s.max() else f"spread {s.min() / s.max():.3f}"
+        else:  # AdamW's first step, with Nesterov momentum as optax's muon has it (NAdam:
+            # m̂ = g (1 + b1 / (1 + b1))) of the clipped gradient g: −lr m̂ / (|g| + ε) − lr wd θ
+            g = np.asarray(grads[n]) / norm
+            step = -3e-3 * (1 + 0.9 / 1.9) * g / (np.abs(g) + 1e-8) - 3e-4 * np.asarray(params[n])
+            kinds[n] = "adamw" if np.allclose(u, step, rtol=1e-3, atol=1e-6) else "other"
+    assert {n for n, k in kinds.items() if k not in ("muon", "adamw")} == set(), kinds
+    assert "muon" in kinds.values() and "adamw" in kinds.values()
+    assert all(kinds[n] == "adamw" for n in params if task.is_embedding(n))
+    if task_name == "llama":
+        return  # (the step: one task is enough)
+    step = make_step(task, opt)
+    batch = jax.numpy.asarray(rng.integers(0, 256, (8, 33)), jax.numpy.int32)
+    state = opt.init(params)
+    losses = []
+    for _ in range(4):
+        params, state, m = step(params, state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0], losses

@@ -77,8 +77,9 @@ class InnerConfig:
     weight_decay: float = field(default=0.1, metadata=bounds(0.0, 10.0))
     clip: float = field(default=1.0, metadata=bounds(1e-6, 1e6))
     batch_size: int = field(default=16, metadata=bounds(1, 65536))
-    # "muon": the matrices (2-D, embeddings excepted) follow Muon (`optax.contrib.muon`) at
-    # `muon_lr` on the same schedule, the rest its AdamW (Nesterov momentum) at `lr`
+    # "muon": the hidden matrices (2-D; not the embeddings or the output head) follow Muon
+    # (`optax.contrib.muon`) at `muon_lr` on the same schedule, the rest its AdamW at `lr`
+    # (`pipeline.task.inner_optimizer`)
     optimizer: str = field(default="adamw", metadata={**bounds(choices=INNER_OPTIMIZERS),
                                                       "added": True})
     muon_lr: float = field(default=0.02, metadata={**bounds(1e-7, 10.0), "added": True})

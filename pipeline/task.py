@@ -95,12 +95,16 @@ class TaskNotNamed(ConfigError):
 
 
 def inner_optimizer(cfg: InnerConfig, total_steps: int,
-                    is_embedding: Callable[[str], bool] = lambda name: False
+                    is_embedding: Callable[[str], bool] | None = None
                     ) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule; under
-    ``optimizer = "muon"`` the matrices of a flat parameter dict (2-D, embeddings excepted)
-    follow Muon at `muon_lr` on the same schedule's shape, and the rest `optax.contrib.muon`'s
-    AdamW at `lr` (with Nesterov momentum, as Muon's own)."""
+    """Clip by global norm, then AdamW on a linear-warmup + cosine-decay schedule.
+
+    Under ``optimizer = "muon"`` the hidden matrices of a flat parameter dict (2-D; not the
+    embeddings, which `is_embedding` names, and not the output projection, a tensor named
+    ``head``) follow Muon at `muon_lr` on the same schedule's shape, decaying by the same
+    fraction a step as AdamW's (weight decay ``weight_decay · lr / muon_lr``: optax scales it
+    by Muon's rate); the rest `optax.contrib.muon`'s AdamW at `lr` (Nesterov momentum, as
+    Muon's own)."""
     warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
 
     def schedule(peak: float) -> optax.Schedule:
@@ -108,20 +112,26 @@ def inner_optimizer(cfg: InnerConfig, total_steps: int,
             init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
             decay_steps=max(total_steps, warmup + 1), end_value=peak * cfg.min_lr_ratio)
 
-    if cfg.optimizer == "muon":
-        from optax.contrib import MuonDimensionNumbers, muon
-
-        def matrices(params: Mapping[str, Any]) -> dict[str, MuonDimensionNumbers | None]:
-            # (optax asks again with the AdamW leaves masked out: shapeless, and None)
-            return {n: MuonDimensionNumbers() if len(getattr(v, "shape", ())) == 2
-                    and not is_embedding(n) else None for n, v in params.items()}
-
-        inner = muon(schedule(cfg.muon_lr), weight_decay=cfg.weight_decay,
-                     adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
-                     adam_learning_rate=schedule(cfg.lr), muon_weight_dimension_numbers=matrices)
-    else:
+    if cfg.optimizer != "muon":
         inner = optax.adamw(schedule(cfg.lr), b1=cfg.b1, b2=cfg.b2,
                             weight_decay=cfg.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
+    if is_embedding is None:
+        raise ValueError("inner.optimizer = \"muon\" needs the task's is_embedding: Muon "
+                         "must not take the embeddings")
+    from optax.contrib import MuonDimensionNumbers, muon
+
+    def hidden(name: str, v: Any) -> bool:
+        return (len(getattr(v, "shape", ())) == 2 and not is_embedding(name)
+                and name.rsplit("/", 1)[-1] != "head")
+
+    def matrices(params: Mapping[str, Any]) -> dict[str, MuonDimensionNumbers | None]:
+        # (optax asks again with the AdamW leaves masked out: shapeless, and None)
+        return {n: MuonDimensionNumbers() if hidden(n, v) else None for n, v in params.items()}
+
+    inner = muon(schedule(cfg.muon_lr), weight_decay=cfg.weight_decay * cfg.lr / cfg.muon_lr,
+                 adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+                 adam_learning_rate=schedule(cfg.lr), muon_weight_dimension_numbers=matrices)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), inner)
 
 

@@ -286,7 +286,7 @@ def test_the_slurm_script_runs_learners_and_restarts_a_failed_one(tmp_path):
         shutil.copy(sec.url_file("learner"), secrets / "learner.url")
         shutil.copy(sec.keys / "syncer.key", secrets / "syncer.key")
         shutil.copytree(sec.keys / "learners", secrets / "learners")
-        cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 300})
+        cfg = cfgmod.from_dict({**TINY, "learners": 2, "steps": 450})
         (tmp_path / "run.toml").write_text(cfgmod.dumps_toml(cfg))
         subprocess.run([*DILOCO, "init", "--config", str(tmp_path / "run.toml"), "--run", run,
                         "--redis-url-file", sec.url_file("operator")], cwd=REPO, check=True,

@@ -82,10 +82,11 @@ def test_a_llama_run_with_real_processes_ends_identical_and_replays(tmp_path, re
 
 @pytest.mark.parametrize("task_name", ["bytegpt", "llama"])
 def test_muon_orthogonalises_the_matrices_and_adamw_moves_the_rest(task_name):
-    """`inner.optimizer = "muon"`: a matrix's first update is Muon's (its singular values
-    near one another: the momentum orthogonalised), the embeddings' and the vectors' AdamW's
-    (each entry ±lr on the first step); a run recorded before the setting keeps AdamW and its
-    hash, and a few steps on one batch lower the loss."""
+    """`inner.optimizer = "muon"`: a hidden matrix's first update is Muon's (its singular
+    values near one another: the momentum orthogonalised), the embeddings', the output
+    head's and the vectors' AdamW's (each entry ±lr on the first step); a run recorded before
+    the setting keeps AdamW and its hash, and a few steps on one batch lower the loss."""
+    from pipeline.task import inner_optimizer
     from pipeline.train import make_step
 
     inner = {**SMALL["inner"], "warmup_steps": 0}
@@ -107,17 +108,22 @@ def test_muon_orthogonalises_the_matrices_and_adamw_moves_the_rest(task_name):
     kinds = {}
     for n, u in updates.items():
         u = np.asarray(u)
-        if u.ndim == 2 and not task.is_embedding(n):
+        # AdamW's first step, with Nesterov momentum as optax's muon has it (NAdam:
+        # m̂ = g (1 + b1 / (1 + b1))) of the clipped gradient g: −lr m̂ / (|g| + ε) − lr wd θ
+        g = np.asarray(grads[n]) / norm
+        adamw = -3e-3 * (1 + 0.9 / 1.9) * g / (np.abs(g) + 1e-8) - 3e-4 * np.asarray(params[n])
+        if np.allclose(u, adamw, rtol=1e-3, atol=1e-6):
+            kinds[n] = "adamw"
+        elif u.ndim == 2:  # Muon's: a matrix whose singular values are alike
             s = np.linalg.svd(u, compute_uv=False)
             kinds[n] = "muon" if s.min() > 0.3 * s.max() else f"spread {s.min() / s.max():.3f}"
-        else:  # AdamW's first step, with Nesterov momentum as optax's muon has it (NAdam:
-            # m̂ = g (1 + b1 / (1 + b1))) of the clipped gradient g: −lr m̂ / (|g| + ε) − lr wd θ
-            g = np.asarray(grads[n]) / norm
-            step = -3e-3 * (1 + 0.9 / 1.9) * g / (np.abs(g) + 1e-8) - 3e-4 * np.asarray(params[n])
-            kinds[n] = "adamw" if np.allclose(u, step, rtol=1e-3, atol=1e-6) else "other"
+        else:
+            kinds[n] = "other"
     assert {n for n, k in kinds.items() if k not in ("muon", "adamw")} == set(), kinds
     assert "muon" in kinds.values() and "adamw" in kinds.values()
-    assert all(kinds[n] == "adamw" for n in params if task.is_embedding(n))
+    assert all(kinds[n] == "adamw" for n in params if task.is_embedding(n) or n == "head")
+    with pytest.raises(ValueError, match="is_embedding"):  # a user's make_optimizer
+        inner_optimizer(cfg.inner, cfg.steps)
     if task_name == "llama":
         return  # (the step: one task is enough)
     step = make_step(task, opt)

@@ -98,6 +98,8 @@ def test_syncer_killed_after_commit_lost_zmq_messages_redis_killed_and_a_long_pa
     rep = chaos(tmp_path, faults, 44, **over)
     check(rep)
     assert [f["kind"] for f in rep["faults"]] == [f.kind for f in faults]
+    # the restart died after its first commit, and the plain command took over
+    assert [(e["syncer"], e["code"]) for e in rep["syncer_fault_exits"]] == [("syncer-0", 18)]
 
 
 def test_random_schedules_are_poisson_and_a_rate_of_zero_means_none():

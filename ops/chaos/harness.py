@@ -110,6 +110,7 @@ class ChaosRun:
         self._spare_due: dict[str, float] = {}  # learner → when its next spare starts
         self.took_over: list[dict] = []  # which spare took over which learner, when
         self.cold_restarts: list[dict] = []  # a learner's spare was not warm: a new process
+        self.fault_exits: list[dict] = []  # syncers' fault-injected exits (17, 18)
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -238,11 +239,14 @@ class ChaosRun:
         elif f.kind in ("kill-syncer", "kill-syncer-after-commit"):
             sid = target or "syncer-0"
             self.sup.kill(sid)
-            if f.kind == "kill-syncer-after-commit":  # the restart dies after its next commit
+            if f.kind == "kill-syncer-after-commit":
+                # the restart dies after its next commit (exit 18: `_check_children` starts
+                # the plain command then), however long that takes: `down_s` does not apply
                 base = [a for a in self.sup.cmds[sid] if not a.startswith("--fail")]
                 self.sup.spawn(sid, base + ["--fail-after-commit", "1"])
                 self.restore_cmds[sid] = base
-            self.down[sid] = now + f.down_s
+            else:
+                self.down[sid] = now + f.down_s
         elif f.kind == "takeover":  # for good: the other syncers must take its fragments
             self.sup.kill(target or "syncer-0")
         elif f.kind == "kill-redis":
@@ -303,8 +307,9 @@ class ChaosRun:
             if any(f["kind"] == "takeover" and (f["target"] or "syncer-0") == name
                    for f in self.faults):
                 continue
-            if code in (17, 18):  # a fault-injected syncer exit: bring it back
-                self.sup.spawn(name)
+            if code in (17, 18):  # a fault-injected syncer exit: bring it back, plain
+                self.fault_exits.append({"syncer": name, "code": code, "t": time.time()})
+                self.sup.spawn(name, self.restore_cmds.pop(name, None))
                 self.restarts.append((name, time.time()))
                 continue
             if code == 3 and name.startswith("L"):
@@ -430,6 +435,7 @@ class ChaosRun:
             "versions_increase": versions_ok, "finish_s": t_end - self.t_stop,
             "rounds_by_syncer": by_syncer, "spares_took_over": self.took_over,
             "spares_not_ready": self.cold_restarts,
+            "syncer_fault_exits": self.fault_exits,
             "resumes": [{"learner": f[b"learner"].decode(), "step": int(f[b"step"]),
                          "source": f[b"source"].decode(),
                          "progress": f.get(b"progress", b"0") == b"1"}

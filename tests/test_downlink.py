@@ -154,9 +154,11 @@ def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(re
         got = [net.inbox.get_nowait() for _ in range(2)]
         assert [v for _, v, *_ in got] == [3, 4]
         assert quant.tensors_hash(got[1][2]) == published[4][0].value
-        # the trainer's copy is its own: changing it does not change the reference
+        # the trainer shares the reference's arrays (one copy of the fragment), read-only: a
+        # write raises instead of changing the value the next delta applies to
         for v in got[1][2].values():
-            v += 1.0
+            with pytest.raises(ValueError, match="read-only"):
+                v += 1.0
         net._deliver(*published[5])
         assert net.inbox.get_nowait()[1] == 5
         while not net.snapshot_requests.empty():

@@ -1153,3 +1153,38 @@ def test_random_schedules_merge_no_step_of_a_learner_twice():
         # what refused (stale) pushes carried
         assert sum(counted.values()) >= 0.8 * len(FRAGS) * sum(made.values()), seed
     assert moved_chains > 0 and forgotten > 0
+
+
+def test_a_checkpoint_holds_the_cores_arrays_unchanged_while_the_core_goes_on():
+    """A learner checkpoint takes the core's arrays without copying them (its writer thread
+    reads them while training goes on): the core replaces its arrays and never writes into
+    one — through merged values applied, pushes with up-link error feedback, a rebase over a
+    merged push, and the next pushes."""
+    from workers.island_checkpoint import checkpoint_arrays
+
+    cfg = dataclasses.replace(CFG, up_feedback=True, codec_up="int4")
+    core = LearnerCore("L0", FRAGS, cfg, BASE, [0, 0])
+    params = {n: jnp.asarray(v) for n, v in BASE.items()}
+    step, pushed = 0, []
+
+    def train(n):
+        nonlocal params, step
+        for _ in range(n):
+            step += 1
+            params = {k: v - 0.01 * step for k, v in params.items()}
+            params, pushes = core.after_step(step, TOKENS, params)
+            pushed.extend(pushes)
+
+    train(4)
+    assert all(f is not None for f in core.inflight) and any(core.residual)
+    meta, arrays = core.state_dict()
+    ckpt = checkpoint_arrays(step=step, tokens=0, run_hash="x", core_meta=meta,
+                             core_arrays=arrays, params=params, opt_state=None)
+    held = {k: np.array(v) for k, v in ckpt.items() if k.startswith("core/")}
+    assert any(np.shares_memory(ckpt[f"core/base1/{FC}"], b) for b in core.base[1].values())
+    core.on_global(1, 1, {FC: V[FC]})  # holds the push in flight
+    params = core.rebase_merged(0, 1, {"wte": BASE["wte"] + 1}, params)
+    train(12)
+    assert len(pushed) > 2 and core.applied >= 2
+    for k, v in held.items():
+        np.testing.assert_array_equal(ckpt[k], v, err_msg=k)

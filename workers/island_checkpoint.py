@@ -38,16 +38,18 @@ def checkpoint_arrays(*, step: int, tokens: int, run_hash: str, core_meta: Any,
                       core_arrays: Mapping[str, Any], params: Mapping[str, Any],
                       opt_state: Any) -> dict[str, np.ndarray]:
     """Everything a restart needs to lose only the steps since: position, optimizer state,
-    the parameters with their unpushed progress, and the sync bookkeeping. Copies
-    (`np.array`): a writer thread reads them while the next steps run, and those may reuse
-    the buffers of the step's outputs."""
+    the parameters with their unpushed progress, and the sync bookkeeping. The parameters and
+    the optimizer state are copied (`np.array`): a writer thread reads them while the next
+    steps run, and those reuse (donate) the buffers of the step's outputs. The core's arrays
+    are not (a third of a checkpoint's memory with every fragment in flight): `LearnerCore`
+    replaces its arrays and never writes into one."""
     leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
     return {"step": np.asarray(step), "tokens": np.asarray(tokens),
             "run_hash": np.asarray(run_hash), "core": np.asarray(json.dumps(core_meta)),
             "opt_leaves": np.asarray(len(leaves)),
             **{f"leaf{i}": np.array(x) for i, x in enumerate(leaves)},
             **{f"theta/{n}": np.array(v) for n, v in params.items()},
-            **{f"core/{k}": np.array(v) for k, v in core_arrays.items()}}
+            **{f"core/{k}": np.asarray(v) for k, v in core_arrays.items()}}
 
 
 def restore_opt(z: Any, opt_state: Any, who: str) -> Any:

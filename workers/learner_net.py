@@ -70,6 +70,15 @@ class NetStats:
     redis_down_s: float = 0.0
 
 
+def _read_only(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`values`, made read-only: the delta down link's reference, whose arrays the trainer
+    shares (one copy of each fragment, not two); a write into one raises instead of changing
+    the value the next delta applies to."""
+    for v in values.values():
+        v.flags.writeable = False
+    return values
+
+
 class LearnerNet(threading.Thread):
     """Background I/O of one learner (see module docstring)."""
 
@@ -145,7 +154,8 @@ class LearnerNet(threading.Thread):
             if version >= self._last_version.get(fragment, -1):
                 self._last_version[fragment] = version
                 if values is not None and self._delta:
-                    self._ref[fragment] = {k: np.array(v, np.float32) for k, v in values.items()}
+                    self._ref[fragment] = _read_only(  # shared with the trainer, as above
+                        {k: np.asarray(v, np.float32) for k, v in values.items()})
 
     @property
     def bytes_received(self) -> int:
@@ -401,9 +411,8 @@ class LearnerNet(threading.Thread):
                 return self._reject(p, f"version {version} decodes to a value whose SHA-256 "
                                     f"differs from the syncer's; reading the snapshot")
             self._last_version[p] = version
-            if self._delta:  # the trainer gets a copy: the reference stays what was decoded
-                self._ref[p] = values
-                values = {k: v.copy() for k, v in values.items()}
+            if self._delta:  # the reference the next delta applies to: shared with the
+                self._ref[p] = _read_only(values)  # trainer, which never writes into it
         self.inbox.put(MergedValue(p, version, values, self._merged_as_of(header)))
         held = self._held.get(p)
         if held:

@@ -141,9 +141,14 @@ def _history_bytes(cfg: RunConfig, n: int) -> int:
 def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     """Bytes each role keeps (the arrays; the allocator, the runtime and activations aside).
 
-    * learner: parameters, AdamW's two moments and a gradient (fp32: 16 B a value), the base
-      each fragment was last rebased on (4 B), and a published value being applied (4 B of the
-      largest fragment) — its step's activations come on top and depend on the model;
+    * learner: parameters and AdamW's two moments (12 B a value), the step's scratch with its
+      inputs donated (the gradient and the update: 8 B, XLA's `memory_analysis`), the base each
+      fragment was last rebased on (4 B), a checkpoint being written (the parameters and
+      moments copied, 12 B), and per push in flight — every fragment, at most — the values at
+      the push (under ``apply = "rebase"``) and its δ decoded for the checkpoint (4 B each),
+      the residuals of up-link error feedback (4 B, twice, when on), and a published value
+      being applied (4 B of the largest fragment) — its step's activations come on top and
+      depend on the model;
     * syncer, per fragment it owns: Θ, the outer momentum and the merge's accumulator (12 B),
       the published value being encoded (4 B), and the values of the last `max_staleness` + 1
       versions stale pushes are anchored on (`pipeline.history`): under the delta down link
@@ -157,7 +162,8 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     """
     s, b = cfg.effective_sync(), cfg.broker
     n_max = max(w.fragment_values)
-    learner = 20 * w.params + 4 * n_max
+    per_value = 12 + 8 + 4 + 12 + 4 * (s.apply == "rebase") + 4 + 8 * s.up_feedback
+    learner = per_value * w.params + 4 * n_max
     own = [w.fragment_values[i::w.syncers] for i in range(w.syncers)]  # fragments dealt round-robin
     syncer_each = max(sum(16 * n + _history_bytes(cfg, n) for n in part) for part in own)
     # the rounds kept and the open one (at most one push per learner each), and up to two

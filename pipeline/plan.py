@@ -146,9 +146,11 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
       fragment was last rebased on (4 B), a checkpoint being written (the parameters and
       moments copied, 12 B), and per push in flight — every fragment, at most — the values at
       the push (under ``apply = "rebase"``) and its δ decoded for the checkpoint (4 B each),
-      the residuals of up-link error feedback (4 B, twice, when on), and a published value
-      being applied (4 B of the largest fragment) — its step's activations come on top and
-      depend on the model;
+      its payload as sent (twice: the core's and the network thread's), the residuals of
+      up-link error feedback (4 B, twice, when on and the up codec is not fp32), and a
+      published value being applied (4 B of the largest fragment) — its step's activations
+      come on top and depend on the model; an island of several devices (`pipeline.mesh`)
+      does not donate its step's inputs: 12 B more;
     * syncer, per fragment it owns: Θ, the outer momentum and the merge's accumulator (12 B),
       the published value being encoded (4 B), and the values of the last `max_staleness` + 1
       versions stale pushes are anchored on (`pipeline.history`): under the delta down link
@@ -162,8 +164,10 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     """
     s, b = cfg.effective_sync(), cfg.broker
     n_max = max(w.fragment_values)
-    per_value = 12 + 8 + 4 + 12 + 4 * (s.apply == "rebase") + 4 + 8 * s.up_feedback
-    learner = per_value * w.params + 4 * n_max
+    feedback = s.up_feedback and s.codec_up != "fp32"  # fp32 pushes have no error to keep
+    per_value = 12 + 8 + 4 + 12 + 4 * (s.apply == "rebase") + 4 + 8 * feedback
+    payloads = sum(value_bytes(cfg, n)["push"] for n in w.fragment_values)
+    learner = per_value * w.params + 2 * payloads + 4 * n_max
     own = [w.fragment_values[i::w.syncers] for i in range(w.syncers)]  # fragments dealt round-robin
     syncer_each = max(sum(16 * n + _history_bytes(cfg, n) for n in part) for part in own)
     # the rounds kept and the open one (at most one push per learner each), and up to two

@@ -98,7 +98,9 @@ def test_the_command_prints_the_plan_as_json(capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["inputs"]["params"] == 20 * 10**6 and got["inputs"]["fragments"] == 4
     assert got["syncer"]["cores"] > 0 and got["memory"]["learner_bytes"] == pytest.approx(
-        44 * 20e6 + 4 * 5e6)  # 44 B a value under the shipped "rebase", no up-link feedback
+        # 44 B a value under the shipped "rebase" (no up-link feedback), the int4 payloads
+        # of the pushes in flight twice (0.5625 B a value with their scales), a value applied
+        44 * 20e6 + 2 * 0.5625 * 20e6 + 4 * 5e6)
 
 
 def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redis_url):

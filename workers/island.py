@@ -184,6 +184,7 @@ class Island:
         res = self.checkpoints.resume(opt_state, core=self.core, joined=self._joined,
                                       prior=self._prior, new_core=self._new_core,
                                       place=self._place)
+        self._joined = None  # the bases hold what is still needed of it: no copy kept beside
         self.step, self.tokens_done, opt_state = res.step, res.tokens, res.opt_state
         self.core = res.core or self.core
         if res.params is not None:

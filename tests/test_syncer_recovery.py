@@ -424,6 +424,45 @@ def test_a_lease_that_expired_before_the_commit_is_retaken(r, redis_url, slow_pa
     assert state_version(r, fk) == 1
 
 
+@pytest.mark.parametrize("expiries", [1, 3], ids=["once: retaken", "every try: stops"])
+def test_a_recommit_whose_lease_expires_during_the_write(r, redis_url, expiries):
+    """Re-committing a round Redis lost, the write outlasts the lease (a large fragment on a
+    starved host): nobody took it since, so the syncer takes it again and re-commits — the
+    round merged once. Expiring on every try, it stops in one line naming broker.lease_ms
+    (it exited with a LeaseLost traceback)."""
+    from broker.commit import LeaseLost
+    from workers.syncer_commits import RECOMMIT_TRIES
+
+    cfg = recovery_config()
+    run = f"recommit-expiry-{expiries}"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    ids = [push_contribution(r, keys, cfg, who)[0] for who in (L0, L1)]
+    with syncer_in_process(SyncerConfig(redis_url, run, max_rounds=1)) as (s, _):
+        s.start()
+        wait_for(lambda: s.poll_once(), timeout_s=10, what="the round")
+        r.xdel(fk.rounds, "1-0")  # Redis lost the round: resync re-commits it
+        r.execute_command("XSETID", fk.rounds, "0-0")
+        write, calls = s.sh.store.commit_round, []
+
+        def outlasted(*a, **kw):
+            calls.append(1)
+            if len(calls) <= expiries:
+                r.delete(fk.lease)  # expired while the pieces were written
+            return write(*a, **kw)
+        s.sh.store.commit_round = outlasted
+        if expiries < RECOMMIT_TRIES:
+            s.commits.resync()
+            assert len(calls) == expiries + 1 and r.get(fk.lease) == b"syncer-0"
+        else:
+            with pytest.raises(LeaseLost, match="outlasted the lease 3 times .*broker.lease_ms"):
+                s.commits.resync()
+            assert len(calls) == RECOMMIT_TRIES
+    if expiries < RECOMMIT_TRIES:
+        assert [i for i, _ in r.xrange(fk.rounds)] == [b"1-0"]
+        assert_merged_once(r, keys, ids)
+
+
 def test_a_drop_inside_an_open_round_has_an_event_naming_its_push(r, redis_url):
     """A push refused while a round is open is named in that round's record by entry id only;
     its "dropped" event names the push (learner, base version, step), so the chaos ledger

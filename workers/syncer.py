@@ -26,6 +26,7 @@ import redis
 import zmq
 
 from broker import registry
+from broker.commit import LeaseLost
 from broker.connection import OUTAGE, value_limits
 from broker.pubsub import Publisher
 from broker.records import SyncerFinal
@@ -258,6 +259,9 @@ def main(cfg: SyncerConfig) -> int:
             return 0
         s.start()
         return s.run_forever()
+    except LeaseLost as e:  # the fragment is another syncer's now, or this host too slow
+        log.error("%s: %s; stopping", cfg.syncer_id, e)
+        return 1
     finally:
         s.pub.close()
         try:

@@ -124,7 +124,7 @@ class FencedState:
                      extra_sent: Mapping[int, bytes] | None = None,
                      earlier_records: list[Mapping] | None = None,
                      after: int | None = None,
-                     merged: Mapping[str, str] | None = None) -> str:
+                     merged: Mapping[str, str] | None = None, retake: bool = False) -> str:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
 
         A round writes its record, its acknowledgements and its published value (`snapshot`,
@@ -142,6 +142,7 @@ class FencedState:
         values and skips the record. `earlier_records` re-adds records Redis lost. With `after`
         (the version before this one) the commit checks that Redis holds that round's record
         (or none at all for version 0): a round lost in a failover is not skipped over.
+        `retake`: as `_fenced_write`'s (a re-commit of the rounds Redis lost, with the state).
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
@@ -150,7 +151,8 @@ class FencedState:
         fk = self.keys.fragment(p)
         values = {fk.sent(version): snapshot, **({} if state is None else {fk.state: state}),
                   **{fk.sent(v): blob for v, blob in (extra_sent or {}).items()}}
-        with self._fenced_write(p, owner, values, "the commit", fk.rounds) as (pipe, staged):
+        with self._fenced_write(p, owner, values, "the commit", fk.rounds,
+                                retake=retake) as (pipe, staged):
             if after is not None:
                 self._require_rounds(pipe, fk.rounds, p, after,
                                      f"the commit of v{version} follows v{after}")
@@ -228,7 +230,7 @@ class FencedState:
 
         With `retake`, a lease that expired meanwhile (a long write on a loaded host) and that
         nobody has taken since is taken again (a round commit raises instead: the syncer then
-        retakes it and commits the round again, with its state).
+        re-commits the round with its state, `retake` set).
 
         Raises:
             LeaseLost: another syncer holds the fragment (or took it meanwhile).

@@ -41,8 +41,7 @@ def checkpoint_arrays(*, step: int, tokens: int, run_hash: str, core_meta: Any,
     the parameters with their unpushed progress, and the sync bookkeeping. The parameters and
     the optimizer state are copied (`np.array`): a writer thread reads them while the next
     steps run, and those reuse (donate) the buffers of the step's outputs. The core's arrays
-    are not (a third of a checkpoint's memory with every fragment in flight): `LearnerCore`
-    replaces its arrays and never writes into one."""
+    are not: `LearnerCore` replaces its arrays and never writes into one."""
     leaves = jax.tree_util.tree_leaves(opt_state) if opt_state is not None else []
     return {"step": np.asarray(step), "tokens": np.asarray(tokens),
             "run_hash": np.asarray(run_hash), "core": np.asarray(json.dumps(core_meta)),

@@ -20,7 +20,6 @@ from workers import recovery
 from workers.syncer_state import FragState, SyncerShared
 
 log = logging.getLogger("diloco.syncer")
-RECOMMIT_TRIES = 3  # a re-commit whose lease expires under it this often stops the syncer
 
 
 class Commits:
@@ -190,31 +189,15 @@ class Commits:
                 state = state or self.state_blob(f.core)
                 sent = f.snapshots_since(stored, sh.ctx.keys.run)
             sent = {v: blob for v, blob in sent.items() if v > stored}
-            self._recommit(
-                p, state=state, snapshot=sent[f.core.version], version=f.core.version,
+            # retaken if it expired during the write (a large fragment on a starved host)
+            # and nobody took it since: this writes the state with the rounds
+            sh.store.commit_round(
+                p, me, state=state, snapshot=sent[f.core.version], version=f.core.version,
                 record=lost[-1][0].to_fields(),
                 earlier_records=[rec.to_fields() for rec, *_ in lost[:-1]],
                 ack_ids=[i for _, acks, _ in lost for i in acks], extra_sent=sent,
-                merged={n: m for *_, ms in lost for n, m in ms.items()})  # the latest wins
+                merged={n: m for *_, ms in lost for n, m in ms.items()},  # the latest wins
+                retake=True)
             f.ckpt_version, f.ckpt_t = f.core.version, time.monotonic()
             sh.event("recommit", fragment=p, redis_version=stored, version=f.core.version)
 
-    def _recommit(self, p: int, *, version: int, tries: int = RECOMMIT_TRIES, **commit) -> None:
-        """Re-commit fragment p up to `version` (`commit`: `commit_round`'s arguments); when
-        the lease expired during the write (a large fragment on a starved host) and nobody has
-        taken it since, take it again and retry, `tries` times in all; then stop in one line
-        naming the setting."""
-        sh, me = self.sh, self.sh.cfg.syncer_id
-        for _ in range(tries):
-            try:
-                sh.store.commit_round(p, me, version=version, **commit)
-                return
-            except LeaseLost:
-                if sh.store.lease_holder(p) is not None or not sh.store.acquire_lease(
-                        p, me, sh.bcfg.lease_ms):
-                    raise  # another syncer holds it: not this one's to write
-                log.warning("fragment %d: the lease expired while re-committing v%d; taken "
-                            "again, re-committing", p, version)
-        raise LeaseLost(f"fragment {p}: re-committing v{version} outlasted the lease "
-                        f"{tries} times (broker.lease_ms = {sh.bcfg.lease_ms} ms): raise "
-                        f"broker.lease_ms for a host this loaded")

@@ -72,8 +72,11 @@ def test_golden_regression(decoupled):
     assert got["bytes_received"] == want["bytes_received"]
     for k in ("initial_eval_loss", "final_eval_loss", "final_eval_accuracy"):
         assert got[k] == pytest.approx(want[k], rel=1e-4), k
+    # a sum moves by rounding alone between hosts (numpy's and XLA's reductions follow the
+    # CPU's vector width): up to 2.1e-3 on a host without AVX-512 against the one that wrote
+    # this file; a 1 % change of the inner lr or the outer momentum moves most sums by 0.2-1.0
     for k, v in want["param_sums"].items():
-        assert got["param_sums"][k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
+        assert got["param_sums"][k] == pytest.approx(v, rel=1e-3, abs=5e-3), k
 
 
 def test_final_step_plain_changes_only_the_final_flush():

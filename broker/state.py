@@ -125,7 +125,11 @@ def _shape(nd: dict, what: str) -> tuple[str, tuple[int, ...], bytes]:
 
 
 def _array(dtype: str, shape: tuple[int, ...], buf: bytes) -> np.ndarray:
-    return np.frombuffer(buf, dtype=dtype).reshape(shape).copy()
+    """A read-only array over the document's buffer (no copy: a fragment's Θ and momentum
+    are most of a state's bytes; the syncer replaces them at its next round)."""
+    a = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    a.flags.writeable = False
+    return a
 
 
 def _check_tensors(raw: dict, shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
@@ -163,7 +167,7 @@ def unpack_state(blob: bytes, *, max_bytes: int | None = None,
     base_version, step, steps, tokens, seconds, chain]``, chain an int or None; a state
     written before chains holds ``merged_last``, the same rows without the chain, which come
     back as ``merged_pushes`` with chain None), and ``finished`` (a list of learner names).
-    Arrays are writable copies.
+    Arrays are read-only views of the decoded document's buffers (no copies).
 
     Args:
         blob: The document.

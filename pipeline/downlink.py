@@ -37,5 +37,20 @@ def apply_delta(ref: Mapping[str, np.ndarray], delta: Mapping[str, quant.QTensor
 
 
 def full_value(values: Mapping[str, np.ndarray]) -> dict[str, quant.QTensor]:
-    """A decoded value as fp32 tensors: the delta down link's snapshots and key frames."""
-    return {k: quant.quantize(np.asarray(v, np.float32), "fp32") for k, v in values.items()}
+    """A decoded value as fp32 tensors: the delta down link's snapshots and key frames.
+
+    The tensors are read-only views of `values` (no copy: a syncer keeps the value, and sends
+    or stores it each round); the values must not change while the tensors are used.
+
+    Raises:
+        ValueError: A value holds NaN or infinity.
+    """
+    out = {}
+    for k, v in values.items():
+        a = np.asarray(v, np.float32)
+        if not np.isfinite(a).all():
+            raise ValueError(f"{k}: cannot send non-finite values")
+        flat = a.reshape(-1).view()
+        flat.flags.writeable = False
+        out[k] = quant.QTensor("fp32", tuple(int(d) for d in a.shape), flat, None, 0)
+    return out

@@ -125,7 +125,7 @@ class StreamingMerge:
         # fp64 sums make the fp32 result (almost always) independent of arrival order. Each is
         # allocated at its tensor's first contribution: a syncer keeps a round open for every
         # fragment it owns, and an empty one holds no memory (8 bytes a value otherwise)
-        self._sum: dict[str, np.ndarray] = {}
+        self._sum: dict[str, np.ndarray] | None = {}  # None once `result` took it
         self._sum_norm = {k: 0.0 for k in shapes}
         # anchor id → (the anchor's tensors, ‖a‖² per tensor, Σ c per tensor)
         self._anchors: dict[object, tuple[Mapping[str, np.ndarray], dict[str, float],
@@ -152,6 +152,8 @@ class StreamingMerge:
                 in fp64, which no finite fp32 tensor overflows).
             ValueError: bad weight, tensors that do not match the fragment's.
         """
+        if self._sum is None:
+            raise ValueError("the merge's result was taken already")
         _check_add(self.shapes, delta, weight)
         slot = None
         if anchor is not None:
@@ -195,13 +197,22 @@ class StreamingMerge:
         return s
 
     def result(self) -> dict[str, np.ndarray]:
-        """The merged outer gradient (fp32). Raises ValueError if nothing was added."""
+        """The merged outer gradient (fp32), once: the fp64 sums become the mean in place (no
+        second fp64 copy of the fragment) and are released tensor by tensor.
+
+        Raises:
+            ValueError: Nothing was added, or the result was taken already.
+        """
         if self.count == 0:
             raise ValueError("no contributions to merge")
+        if self._sum is None:
+            raise ValueError("the merge's result was taken already")
+        sums, self._sum = self._sum, None
         out = {}
         for k in self.shapes:
-            s = self._sum.get(k)
-            mean = s.copy() if s is not None else np.zeros(self.shapes[k], np.float64)
+            mean = sums.pop(k, None)
+            if mean is None:
+                mean = np.zeros(self.shapes[k], np.float64)
             kernels.axpy([(mean, anchor[k], coef[k]) for anchor, _, coef in
                           self._anchors.values() if coef[k] != 0.0])
             np.divide(mean, self.total_weight, out=mean)  # in place: the same bits, no copies

@@ -26,14 +26,21 @@ def outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
 
 
 def make_outer_step(opt: optax.GradientTransformation):
-    """A jitted ``step(theta, outer_grad, state) -> (new_theta, new_state)`` for `opt`."""
+    """A jitted ``step(theta, outer_grad, state) -> (new_theta, new_state)`` for `opt`.
 
-    @jax.jit
+    `theta` and `outer_grad` are donated: XLA writes the new value and momentum into their
+    buffers (no two more fragment-sized arrays per round); pass arrays nothing else holds.
+    Without momentum only `theta` is (nothing would take the gradient's buffer). The state
+    is not donated: a round refused after the step keeps the momentum it had."""
+
     def step(theta, outer_grad, state):
         updates, state = opt.update(outer_grad, state, theta)
         return optax.apply_updates(theta, updates), state
 
-    return step
+    with_momentum, without = (jax.jit(step, donate_argnums=(0, 1)),
+                              jax.jit(step, donate_argnums=(0,)))
+    return lambda theta, outer_grad, state: (
+        with_momentum if jax.tree_util.tree_leaves(state) else without)(theta, outer_grad, state)
 
 
 def outer_step(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray],
@@ -43,10 +50,11 @@ def outer_step(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray
     Pass `step_fn` (from `make_outer_step`) to reuse one compiled step across rounds.
     """
     step_fn = step_fn or make_outer_step(opt)
-    g = {k: jnp.asarray(v, jnp.float32) for k, v in outer_grad.items()}
-    t = {k: jnp.asarray(v, jnp.float32) for k, v in theta.items()}
+    # copies of their own: the step donates them (the caller's arrays stay as they were)
+    g = {k: jnp.array(v, jnp.float32, copy=True) for k, v in outer_grad.items()}
+    t = {k: jnp.array(v, jnp.float32, copy=True) for k, v in theta.items()}
     new, state = step_fn(t, g, state)
-    return {k: np.asarray(v, np.float32) for k, v in new.items()}, state
+    return {k: np.asarray(v, np.float32) for k, v in new.items()}, state  # views, no copies
 
 
 def init_state(opt: optax.GradientTransformation, theta: Mapping[str, np.ndarray]):

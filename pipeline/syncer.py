@@ -121,7 +121,8 @@ class FragmentSyncer:
 
     def __init__(self, fragment: int, theta: Mapping[str, np.ndarray], outer_cfg: OuterConfig,
                  sync_cfg: SyncConfig, version: int = 0, *,
-                 is_embedding: Callable[[str], bool], prior_step_norm: float | None = None):
+                 is_embedding: Callable[[str], bool], prior_step_norm: float | None = None,
+                 history: History | None = None, opt_state=None):
         self.fragment = fragment
         self.is_embedding = is_embedding
         self.sync_cfg = sync_cfg
@@ -131,10 +132,14 @@ class FragmentSyncer:
         self.shapes = {k: v.shape for k, v in self.theta.items()}
         self._opt = outer_optimizer(outer_cfg)
         self._outer_step = make_outer_step(self._opt)
-        self.opt_state = init_state(self._opt, self.theta)
-        if sync_cfg.down_delta:  # the first value goes out whole, in fp32
-            self.sent = full_value(self.theta)
+        self.opt_state = init_state(self._opt, self.theta) if opt_state is None else opt_state
+        if history is not None:  # restored (`from_state_dict`): its value re-published
+            sent_values = history[version]
+            self.sent = (full_value(sent_values) if sync_cfg.down_delta else
+                         encode_down(self.theta, sync_cfg.codec_down, sync_cfg.quant_block)[0])
+        elif sync_cfg.down_delta:  # the first value goes out whole, in fp32
             sent_values = {k: v.copy() for k, v in self.theta.items()}
+            self.sent = full_value(sent_values)  # views of the history's copy
         else:
             self.sent, sent_values = encode_down(self.theta, sync_cfg.codec_down,
                                                  sync_cfg.quant_block)
@@ -142,7 +147,7 @@ class FragmentSyncer:
         self.sent_base = -1
         self._hash: tuple[int, str] = (-1, "")  # (version, sent_hash) cached
         # version → the dequantised value learners received for it (anchors stale contributions)
-        self.history = History(version, sent_values)
+        self.history = history if history is not None else History(version, sent_values)
         self.seen: set[tuple[str, int, int]] = set()
         # learner → its last push merged here, least recently merged first: a later push of
         # its chain repeats it
@@ -451,18 +456,18 @@ class FragmentSyncer:
     def from_state_dict(cls, d: dict, outer_cfg: OuterConfig, sync_cfg: SyncConfig,
                         is_embedding: Callable[[str], bool],
                         prior_step_norm: float | None = None) -> FragmentSyncer:
+        # the optimiser state's structure from scalars (no value-sized array built to be
+        # thrown away): the checkpoint's arrays go in as they are
+        treedef = jax.tree_util.tree_structure(init_state(
+            outer_optimizer(outer_cfg), {k: np.zeros((), np.float32) for k in d["theta"]}))
+        history = History.from_values({int(v): {k: np.asarray(a, np.float32)
+                                                for k, a in h.items()}
+                                       for v, h in d["history"].items()})
+        # re-published whole under the delta down link: the delta that made it is not kept
         s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]),
-                is_embedding=is_embedding, prior_step_norm=prior_step_norm)
-        treedef = jax.tree_util.tree_structure(s.opt_state)
-        s.opt_state = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in d["momentum"]])
-        s.history = History.from_values({int(v): {k: np.asarray(a, np.float32)
-                                                  for k, a in h.items()}
-                                         for v, h in d["history"].items()})
-        s._hash = (-1, "")
-        if sync_cfg.down_delta:  # re-published whole: the delta that made it is not kept
-            s.sent, s.sent_base = full_value(s.history[s.version]), -1
-        else:
-            s.sent, _ = encode_down(s.theta, sync_cfg.codec_down, sync_cfg.quant_block)
+                is_embedding=is_embedding, prior_step_norm=prior_step_norm, history=history,
+                opt_state=jax.tree_util.tree_unflatten(
+                    treedef, [np.asarray(x) for x in d["momentum"]]))
         s.seen = {(str(a), int(b), int(c)) for a, b, c in d["seen"]}
         s.sync_time_s = float(d.get("sync_time_s", 0.0))
         # broker.state.unpack_state reads the older form ("merged_last", without chains)

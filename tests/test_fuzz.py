@@ -755,7 +755,7 @@ def _state_with_shapes(data):
         # tensor (states of before and after 0-d shapes were kept, mixed) reads only with them
         plain = decoded(unpack_state, blob)
         for k, v in got["theta"].items():
-            assert v.dtype == np.float32 and v.flags.writeable
+            assert v.dtype == np.float32 and not v.flags.writeable  # views, no copies
             if plain is not None:
                 np.testing.assert_array_equal(v.reshape(-1), plain["theta"][k].reshape(-1))
     assert decoded(unpack_state, blob, max_bytes=len(blob) - 1) is None

@@ -191,6 +191,39 @@ def test_merge_errors():
     with pytest.raises(ValueError, match="do not match"):
         m.add({"other": np.ones(2, F32)}, 1.0)
     assert m.count == 0
+    # the result is taken once: the sums became it in place
+    m.add({"h0.mlp.fc": np.ones(2, F32)}, 1.0)
+    m.result()
+    for again in (m.result, lambda: m.add({"h0.mlp.fc": np.ones(2, F32)}, 1.0)):
+        with pytest.raises(ValueError, match="taken already"):
+            again()
+
+
+def test_a_fragment_holds_its_value_once_not_per_use():
+    """Fresh and restored, the value published whole (fp32, the delta down link's first) is
+    a read-only view of the history's copy, not another copy; a restored core's Θ and
+    momentum are the checkpoint document's buffers; the outer step writes the new value and
+    momentum into its own copies of Θ and the gradient, leaving the caller's as they were."""
+    from broker.state import pack_state, unpack_state
+
+    sync = SyncConfig(down_delta=True, codec_down="int4")
+    theta = {"h0.mlp.fc": np.arange(6, dtype=F32).reshape(2, 3)}
+    core = FragmentSyncer(0, theta, OuterConfig(), sync, is_embedding=is_embedding)
+    sent = core.sent["h0.mlp.fc"].data
+    assert np.shares_memory(sent, core.history[0]["h0.mlp.fc"]) and not sent.flags.writeable
+    assert not np.shares_memory(sent, theta["h0.mlp.fc"])  # the caller's array is its own
+    back = unpack_state(pack_state(core.state_dict()), shapes={"h0.mlp.fc": (2, 3)})
+    restored = FragmentSyncer.from_state_dict(back, OuterConfig(), sync, is_embedding)
+    assert restored.theta["h0.mlp.fc"] is back["theta"]["h0.mlp.fc"]
+    assert not back["theta"]["h0.mlp.fc"].flags.writeable
+    assert np.shares_memory(restored.sent["h0.mlp.fc"].data, restored.history[0]["h0.mlp.fc"])
+    g = {"h0.mlp.fc": np.ones((2, 3), F32)}
+    before = [{k: v.copy() for k, v in d.items()} for d in (theta, g)]
+    opt = outer_optimizer(OuterConfig())
+    new, _ = outer_step(opt, theta, g, init_state(opt, theta))
+    assert all(np.array_equal(d[k], b[k]) for d, b in zip((theta, g), before, strict=True)
+               for k in d)
+    assert not np.array_equal(new["h0.mlp.fc"], theta["h0.mlp.fc"])
 
 
 # -- the robust merge (sync.merge = "trimmed") ---------------------------------------------------

@@ -67,18 +67,16 @@ class Ownership:
         sh, me = self.sh, self.sh.cfg.syncer_id
         for p in ps:
             sh.streams.ensure_group(p)
-            state_blob = sh.store.load_state(p, limit := capacity.state_limit(sh.shapes(p)))
-            if state_blob is None:
-                init = self._init_params()
-                core = FragmentSyncer(p, {n: init[n] for n in sh.ctx.fragments[p]},
-                                      sh.run_cfg.outer, sh.sync,
-                                      is_embedding=sh.ctx.task.is_embedding,
-                                      prior_step_norm=fragment_prior(sh.run_cfg, sh.shapes(p)))
-                sh.store.acquire_lease(p, me, sh.bcfg.lease_ms)
-                sh.store.init_fragment(p, me, state=self.commits.state_blob(core),
-                                         snapshot=self.commits.snapshot(core))
-                state_blob = sh.store.load_state(p, limit)
-            f = sh.frags[p] = self._recover(p, state_blob)
+            blob = sh.store.load_state(p, limit := capacity.state_limit(sh.shapes(p)))
+            if blob is None:
+                self._init_fragment(p)
+                blob = sh.store.load_state(p, limit)
+            # decoded, and the blob released, before the fragment is rebuilt from it
+            state = recovery.read_checkpoint(sh.ctx.r, sh.ctx.keys.fragment(p), sh.shapes(p),
+                                             blob)
+            del blob
+            f = sh.frags[p] = self._recover(p, state)
+            del state
             f.keep_snapshot(f.core.version, self.commits.snapshot(f.core))
             f.final_seen |= self._finals_done(p)
             sh.owned.append(p)
@@ -101,13 +99,27 @@ class Ownership:
             self.intake.lost(p, deleted)
             self.intake.handle(claimed, check_deliveries=True)
 
-    def _recover(self, p: int, blob: bytes) -> FragState:
+    def _init_fragment(self, p: int) -> None:
+        """Version 0 of fragment p written (its state and snapshot), from the run's initial
+        parameters; the core that wrote it is dropped here, before the fragment is read back
+        (a fragment's values are not held twice)."""
+        sh = self.sh
+        init = self._init_params()
+        core = FragmentSyncer(p, {n: init[n] for n in sh.ctx.fragments[p]}, sh.run_cfg.outer,
+                              sh.sync, is_embedding=sh.ctx.task.is_embedding,
+                              prior_step_norm=fragment_prior(sh.run_cfg, sh.shapes(p)))
+        state, snapshot = self.commits.state_blob(core), self.commits.snapshot(core)
+        del core
+        sh.store.acquire_lease(p, sh.cfg.syncer_id, sh.bcfg.lease_ms)
+        sh.store.init_fragment(p, sh.cfg.syncer_id, state=state, snapshot=snapshot)
+
+    def _recover(self, p: int, state: dict) -> FragState:
         """The fragment at its latest committed version: its checkpoint, then the rounds
         committed since replayed (`workers.recovery`)."""
         sh = self.sh
         rec = recovery.recover(sh.ctx.r, sh.ctx.keys.fragment(p), sh.run_cfg, sh.shapes(p),
                                sh.ctx.task.is_embedding,
-                               archive_dir=sh.bcfg.archive_dir or None, blob=blob)
+                               archive_dir=sh.bcfg.archive_dir or None, state=state)
         if rec.replayed:
             log.info("fragment %d: checkpoint v%d + %d round(s) replayed in %.2f s → v%d", p,
                      rec.checkpoint_version, rec.replayed, rec.seconds, rec.core.version)

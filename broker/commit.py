@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -82,6 +84,39 @@ class FencedState:
             self._held.pop(p, None)
         return got
 
+    def _extend_held(self, also: Mapping[int, str] | None = None) -> None:
+        """Each lease taken here (and `also`'s) extended by the period last taken, where its
+        owner still holds it (`_RENEW`: a lease another syncer holds now is left alone)."""
+        if self._lease_ms:
+            for q, who in {**self._held, **(also or {})}.items():
+                self._renew(keys=[self.keys.fragment(q).lease],
+                            args=[who.encode(), self._lease_ms])
+
+    @contextmanager
+    def leases_kept(self, limit_s: float) -> Iterator[None]:
+        """The leases taken here extended every lease period / 3 by a thread while the block
+        runs (the close of a fragment of 100M+ values outlasts a lease: without this its
+        commit would find the lease expired), for `limit_s` at most: a block that hangs loses
+        its leases as a stalled syncer does."""
+        stop = threading.Event()
+
+        def keep() -> None:
+            deadline = time.monotonic() + limit_s
+            while not stop.wait(max(self._lease_ms, 300) / 3000) and \
+                    time.monotonic() < deadline:
+                try:
+                    self._extend_held()
+                except redis.RedisError:  # an outage: the syncer's loop handles it
+                    return
+
+        thread = threading.Thread(target=keep, name="lease-keeper", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
     def lease_holder(self, p: int) -> str | None:
         """The id of the syncer holding the fragment's lease (None: nobody)."""
         holder = self.r.get(self.keys.fragment(p).lease)
@@ -118,7 +153,8 @@ class FencedState:
                                  what=f"fragment {p}'s snapshot")
         return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
 
-    def commit_round(self, p: int, owner: str, *, state: bytes | None, snapshot: bytes,
+    def commit_round(self, p: int, owner: str, *, state: bytes | memoryview | None,
+                     snapshot: bytes,
                      version: int, record: Mapping[str, str | int | float], ack_ids: list[str],
                      drop_sent_versions: Iterable[int] = (),
                      extra_sent: Mapping[int, bytes] | None = None,
@@ -178,7 +214,7 @@ class FencedState:
                 raise res  # anything but "this round record exists already"
         return f"{int(record['version'])}-0"
 
-    def checkpoint(self, p: int, owner: str, *, state: bytes, version: int,
+    def checkpoint(self, p: int, owner: str, *, state: bytes | memoryview, version: int,
                    drop_sent_versions: Iterable[int] = ()) -> None:
         """Write the fragment's full state at its committed `version` outside a round (the
         end of a run, a hand-over), fenced by the lease; Redis must hold that version's round
@@ -201,7 +237,8 @@ class FencedState:
             pipe.execute()
             staged.clear()
 
-    def init_fragment(self, p: int, owner: str, *, state: bytes, snapshot: bytes) -> bool:
+    def init_fragment(self, p: int, owner: str, *, state: bytes | memoryview,
+                      snapshot: bytes) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""
         fk = self.keys.fragment(p)
         if self.r.exists(fk.state):
@@ -259,16 +296,10 @@ class FencedState:
         fragment's, and the others this syncer owns) is extended where its owner still holds
         it, as the syncer's loop would."""
         staged: dict[str, str | None] = {}
-
-        def renew() -> None:
-            if self._lease_ms:
-                for q, who in {**self._held, p: owner}.items():
-                    self._renew(keys=[self.keys.fragment(q).lease],
-                                args=[who.encode(), self._lease_ms])
-
         try:
             for key, blob in values.items():
-                staged[key] = pieces.stage(self.r, key, blob, self.piece_bytes, renew)
+                staged[key] = pieces.stage(self.r, key, blob, self.piece_bytes,
+                                           lambda: self._extend_held({p: owner}))
         except BaseException:
             pieces.drop_staged(self.r, staged.values())
             raise

@@ -87,9 +87,13 @@ def _enc(obj: Any) -> Any:
     return obj
 
 
-def pack_state(state: dict) -> bytes:
-    """msgpack document of a syncer `state_dict` (arrays as dtype, shape, raw bytes)."""
-    return msgpack.packb(_enc(state), use_bin_type=True)
+def pack_state(state: dict) -> memoryview:
+    """msgpack document of a syncer `state_dict` (arrays as dtype, shape, raw bytes), as a
+    view of the packer's own buffer: a state is most of a fragment's bytes twice over, and
+    ``packb`` would copy that buffer once more into its result."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(_enc(state))
+    return packer.getbuffer()
 
 
 def _int(v: Any, what: str, hi: int = _MAX_INT) -> int:

@@ -151,8 +151,10 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
       published value being applied (4 B of the largest fragment) — its step's activations
       come on top and depend on the model; an island of several devices (`pipeline.mesh`)
       does not donate its step's inputs: 12 B more;
-    * syncer, per fragment it owns: Θ, the outer momentum and the merge's accumulator (12 B),
-      the published value being encoded (4 B), and the values of the last `max_staleness` + 1
+    * syncer, per fragment it owns, at a round's close: Θ and the outer momentum, and the
+      new ones beside them until the round's value is accepted (16 B), the delta being
+      encoded and the value it makes (8 B) — the merge's fp64 sums (8 B) are gone by then —
+      and the values of the last `max_staleness` + 1
       versions stale pushes are anchored on (`pipeline.history`): under the delta down link
       the oldest and the newest in fp32 and the deltas between as sent; a value sent whole in
       a codec as sent, and the newest in fp32; fp32 values whole;
@@ -169,7 +171,7 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     payloads = sum(value_bytes(cfg, n)["push"] for n in w.fragment_values)
     learner = per_value * w.params + 2 * payloads + 4 * n_max
     own = [w.fragment_values[i::w.syncers] for i in range(w.syncers)]  # fragments dealt round-robin
-    syncer_each = max(sum(16 * n + _history_bytes(cfg, n) for n in part) for part in own)
+    syncer_each = max(sum(24 * n + _history_bytes(cfg, n) for n in part) for part in own)
     # the rounds kept and the open one (at most one push per learner each), and up to two
     # pushes per learner not yet read (its last one and, at the end, its final flush)
     entries = (max(b.keep_rounds, b.checkpoint_rounds) + 3) * w.learners

@@ -369,6 +369,7 @@ class FragmentSyncer:
         else:
             theta, opt_state = partial_outer_step(self.outer_cfg, self.theta, outer_grad,
                                                   self.opt_state, share)
+        del outer_grad  # not held through the encoding below
         try:
             sent, sent_values = encode_down(
                 theta, self.sync_cfg.codec_down, self.sync_cfg.quant_block,

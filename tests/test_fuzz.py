@@ -178,7 +178,7 @@ def _state() -> dict:
             "finished": ["L1"]}
 
 
-STATE = pack_state(_state())
+STATE = bytes(pack_state(_state()))
 ARCHIVE_ROWS = [("5-0", {b"learner": b"L0", b"payload": b"\x00\x01\x02"}),
                 ("5-1", {b"a": b"1", b"b": b""})]
 

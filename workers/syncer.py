@@ -134,10 +134,17 @@ class Syncer:
             times = [t for n in live if n in recs and (t := recs[n].step_s)]
             if times:
                 sh.step_time_s = min(times)
+        self._renew_leases()
+
+    def _renew_leases(self) -> None:
+        """The leases renewed when a lease period / 3 has passed since the last time (also
+        between two fragments' closes: at 100M+ values a few closes outlast a lease)."""
+        now = time.monotonic()
         if now >= self._next_lease:
             self._next_lease = now + self.bcfg.lease_ms / 3000
             self.owner.renew()
-            registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id, sh.info())
+            registry.register_syncer(self.ctx.r, self.ctx.keys, self.cfg.syncer_id,
+                                     self.sh.info())
 
     def poll_once(self) -> bool:
         """One iteration: read, merge, close due rounds, finish the run. True when done."""
@@ -158,6 +165,7 @@ class Syncer:
             # a close offers the deferred entries of learners that were a round ahead: their
             # round may be due at once (never wait for the next read's block_ms)
             for _ in range(_CLOSES_PER_POLL):
+                self._renew_leases()
                 if (p not in self.frags or self.frags[p].finished
                         or not self.rounds.maybe_close(p, expected.get(p))):
                     break

@@ -28,7 +28,7 @@ class Commits:
     def __init__(self, sh: SyncerShared):
         self.sh = sh
 
-    def state_blob(self, core: FragmentSyncer) -> bytes:
+    def state_blob(self, core: FragmentSyncer) -> memoryview:
         d = core.state_dict()
         d.pop("history")  # kept as per-version snapshots (the `sent:<v>` keys)
         return pack_state(d)

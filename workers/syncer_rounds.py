@@ -71,11 +71,15 @@ class Rounds:
 
     def _close(self, p: int, f: FragState, reason: str, now: float) -> None:
         t0 = time.monotonic()
-        result = f.core.close(now, reason, f.core.round_share(len(f.core.counted(self.sh.live))))
+        # the leases kept while the round is computed (a large fragment's outlasts a lease),
+        # for ten lease periods at most
+        with self.sh.store.leases_kept(10 * self.sh.bcfg.lease_ms / 1000):
+            result = f.core.close(now, reason,
+                                  f.core.round_share(len(f.core.counted(self.sh.live))))
+            snapshot = self.commits.snapshot(f.core)
         self.sh.stats.commits += 1
         self.sh.cfg.faults.at("before", self.sh.stats.commits)
         record = self._record(result, t0)
-        snapshot = self.commits.snapshot(f.core)
         acks = list(f.entries) + f.ack_extra
         # each included learner's merge record, committed with the round and published with
         # its value: a learner that receives the value or reads its snapshot finds what it

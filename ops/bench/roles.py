@@ -3,7 +3,8 @@ beside what `diloco plan` counts (the arrays alone).
 
 Each size is one run of the byte GPT on a private redis-server: two learners, one syncer, the
 launcher (which evaluates the global model every 15 s and at the end), batch 2, H = 4, the
-default fragments and codecs, 24 steps. Every process's peak resident set (``VmHWM``) is
+demo's fragments (`diloco run`'s base: its embeddings and the rest) and the default codecs, 24
+steps. Every process's peak resident set (``VmHWM``) is
 sampled from ``/proc`` while it runs, and Redis's ``used_memory_peak`` read at the end. The
 slope between the two sizes is each role's bytes per parameter, the intercept its runtime.
 """
@@ -63,7 +64,7 @@ def run_size(d_model: int, n_layers: int, steps: int = STEPS) -> dict:
     over = {"model.d_model": d_model, "model.n_layers": n_layers, "model.n_heads": 8,
             "learners": 2, "steps": steps, "inner.batch_size": 2, "sync.sync_every": 4,
             "data.eval_batches": 1}
-    cfg = cfgmod.override(cfgmod.RunConfig(), **over)
+    cfg = cfgmod.override(cfgmod.demo_config(), **over)  # what `diloco run --set` starts from
     task = task_of(cfg, local=cfg.task)
     shapes = task.param_shapes()
     params = sum(math.prod(s) for s in shapes.values())

@@ -4,6 +4,7 @@ letters, claiming, leases, the run registry and the client's timeout check."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -466,3 +467,22 @@ def test_autoclaim_walks_past_trimmed_entries(r, keys, fs, cfg):
     claimed, deleted = fs.autoclaim("alive", P, min_idle_ms=30, count=2)
     assert [e.entry_id for e in claimed] == ids[2:]
     assert deleted == ids[:2]  # reported so the syncer can account for them
+
+
+def test_leases_are_kept_while_a_long_round_is_computed_for_a_bounded_time(r, keys, fs):
+    """`leases_kept`: a block that outlasts the lease keeps it (a large fragment's close), and
+    one that outlasts its limit loses it, as a stalled syncer does; another syncer's lease is
+    never extended."""
+    fk = keys.fragment(P)
+    assert fs.state.acquire_lease(P, "syncer-0", 600)
+    with fs.state.leases_kept(limit_s=10.0):
+        time.sleep(1.5)  # two and a half lease periods
+        assert r.get(fk.lease) == b"syncer-0"
+    with fs.state.leases_kept(limit_s=0.3):
+        time.sleep(1.5)  # the limit, then a lease period and more without renewal
+        assert r.get(fk.lease) is None
+    assert r.set(fk.lease, b"syncer-1", px=600)  # taken by another syncer meanwhile
+    with fs.state.leases_kept(limit_s=10.0):
+        time.sleep(1.0)
+    assert r.get(fk.lease) is None  # its lease ran out: never extended for it
+

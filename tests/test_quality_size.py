@@ -16,6 +16,7 @@ from ops.bench.quality_size import (
     command,
     main,
     plan,
+    resume_from,
     reuse_ddp,
     summary,
 )
@@ -104,3 +105,24 @@ def test_the_report_writes_the_table_and_the_plot(tmp_path, capsys):
     assert "| 0.05M (49,600) |" in text and "| 0.2M (222,336) |" in text
     assert (out / "gap_vs_size.png").stat().st_size > 1000
     assert set(json.loads((out / "summary.json").read_text())) == {"0.05M", "0.2M"}
+
+
+def test_a_new_checkout_resumes_from_the_committed_raw_file(tmp_path):
+    """`--resume-from`: the finished runs of the committed raw file are copied in where
+    missing (a run already in OUT stays as it is); sizes the study does not know are left out,
+    and then the plan wants only what is still missing."""
+    raw = tmp_path / "raw.json"
+    done = {name((SHIP, 1e-3, 0)): _row(1.11), name((SHIP, 4e-4, 0)): _row(1.35)}
+    raw.write_text(json.dumps({"status": "…", "runs": {"0.84M": done, "9M": done}}))
+    out = tmp_path / "out"
+    (out / "0.84M").mkdir(parents=True)
+    (out / "0.84M" / "results.json").write_text(json.dumps({name((SHIP, 1e-3, 0)): _row(1.0)}))
+    assert resume_from(out, raw) == 1
+    assert resume_from(out, raw) == 0  # once
+    got = json.loads((out / "0.84M" / "results.json").read_text())
+    assert got[name((SHIP, 1e-3, 0))]["final_eval_loss"] == 1.0  # OUT's own run kept
+    assert got[name((SHIP, 4e-4, 0))]["final_eval_loss"] == 1.35
+    assert not (out / "9M").exists()
+    assert all(r[0] != SHIP or r[1] not in (1e-3, 4e-4) for r in plan(
+        {k: v["final_eval_loss"] for k, v in got.items()}))
+

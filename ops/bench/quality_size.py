@@ -2,6 +2,7 @@
 sittings.
 
     python -m ops.bench.quality_size [--out OUT] [--jobs 2] [--dry-run] [--report]
+                                     [--resume-from docs/bench/RAW.json]
 
 At each size of `SIZES` (~0.05M, ~0.2M and the default model's 0.84M parameters: 17×), data
 parallel against the shipped decoupled setting (``--model shipped``: every sync and outer
@@ -99,6 +100,23 @@ def reuse_ddp(out: Path, size: str, source: Path) -> int:
     return len(new)
 
 
+def resume_from(out: Path, raw: Path) -> int:
+    """Copy the finished runs a raw results file (this study's ``docs/bench`` JSON: its
+    ``runs``, size → results) holds into each size's results.json where missing: a new
+    checkout goes on where a sitting committed its runs. Returns how many were copied."""
+    copied = 0
+    for size, rows in json.loads(raw.read_text()).get("runs", {}).items():
+        if size not in SIZES or not isinstance(rows, dict):
+            continue
+        results = _read(out / size / "results.json")
+        new = {k: v for k, v in rows.items() if k not in results and isinstance(v, dict)}
+        if new:
+            (out / size).mkdir(parents=True, exist_ok=True)
+            (out / size / "results.json").write_text(json.dumps({**results, **new}, indent=1))
+            copied += len(new)
+    return copied
+
+
 def summary(out: Path) -> dict[str, dict]:
     """Per size with both sides' seeds at their best: each side's best rate (by seed 0), its
     losses, the gap on the mean over the seeds both ran, and the worst seed's gap."""
@@ -188,10 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, choices=(1, 2), default=1)
     ap.add_argument("--dry-run", action="store_true", help="print the runs wanted now")
     ap.add_argument("--report", action="store_true", help="write and print the summary only")
+    ap.add_argument("--resume-from", type=Path, metavar="RAW",
+                    help="first copy the finished runs of a committed raw results file "
+                         "(docs/bench/quality_size_*_results.json) into OUT")
     a = ap.parse_args(argv)
     if a.jobs == 2 and (os.cpu_count() or 1) < 2:
         ap.error("--jobs 2 needs two cores")
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.resume_from:
+        print(f"{resume_from(a.out, a.resume_from)} finished run(s) copied from {a.resume_from}")
     for size in SIZES:
         if (a.out / size).is_dir():
             merge_jobs(a.out / size)

@@ -136,14 +136,14 @@ def test_merge_of_quantised_anchored_contributions(backend):
 
 
 def test_non_finite_contribution_adds_nothing(backend):
-    m = StreamingMerge({"h0.mlp.fc": (4,)}, "rda", is_embedding)
-    m.add({"h0.mlp.fc": np.ones(4, np.float32)}, 1.0)
-    before = m.result()
+    m, alone = (StreamingMerge({"h0.mlp.fc": (4,)}, "rda", is_embedding) for _ in range(2))
+    for merge in (m, alone):
+        merge.add({"h0.mlp.fc": np.ones(4, np.float32)}, 1.0)
     for bad in (np.array([1, np.nan, 0, 0], np.float32), np.array([np.inf, 0, 0, 0], np.float32),
                 quant.QTensor("bf16", (4,), np.array([0x7FC0, 0, 0, 0], np.uint16), None, 0)):
         with pytest.raises(NonFiniteContribution):
             m.add({"h0.mlp.fc": bad}, 5.0)
-    assert m.count == 1 and np.array_equal(m.result()["h0.mlp.fc"], before["h0.mlp.fc"])
+    assert m.count == 1 and np.array_equal(m.result()["h0.mlp.fc"], alone.result()["h0.mlp.fc"])
 
 
 def test_a_zero_delta_adds_only_its_weight(backend):

@@ -87,34 +87,32 @@ def command(size: str, run: Run, out: Path) -> list[str]:
             "--seeds", str(seed)]
 
 
-def reuse_ddp(out: Path, size: str, source: Path) -> int:
-    """Copy `source`'s data parallel rows into the size's results.json where missing, each
-    marked with where it came from; returns how many were copied."""
-    rows = {k: {**v, "reused_from": str(source)} for k, v in _read(source).items()
-            if k.startswith(DDP + " ") and isinstance(v, dict)}
+def _add_missing(out: Path, size: str, rows: dict) -> int:
+    """Add `rows` (name → result) to the size's results.json where it has no run of that
+    name; returns how many were added."""
     results = _read(out / size / "results.json")
-    new = {k: v for k, v in rows.items() if k not in results}
+    new = {k: v for k, v in rows.items() if k not in results and isinstance(v, dict)}
     if new:
         (out / size).mkdir(parents=True, exist_ok=True)
         (out / size / "results.json").write_text(json.dumps({**results, **new}, indent=1))
     return len(new)
 
 
+def reuse_ddp(out: Path, size: str, source: Path) -> int:
+    """Copy `source`'s data parallel rows into the size's results.json where missing, each
+    marked with where it came from; returns how many were copied."""
+    return _add_missing(out, size, {k: {**v, "reused_from": str(source)}
+                                    for k, v in _read(source).items()
+                                    if k.startswith(DDP + " ") and isinstance(v, dict)})
+
+
 def resume_from(out: Path, raw: Path) -> int:
     """Copy the finished runs a raw results file (this study's ``docs/bench`` JSON: its
     ``runs``, size → results) holds into each size's results.json where missing: a new
     checkout goes on where a sitting committed its runs. Returns how many were copied."""
-    copied = 0
-    for size, rows in json.loads(raw.read_text()).get("runs", {}).items():
-        if size not in SIZES or not isinstance(rows, dict):
-            continue
-        results = _read(out / size / "results.json")
-        new = {k: v for k, v in rows.items() if k not in results and isinstance(v, dict)}
-        if new:
-            (out / size).mkdir(parents=True, exist_ok=True)
-            (out / size / "results.json").write_text(json.dumps({**results, **new}, indent=1))
-            copied += len(new)
-    return copied
+    runs = json.loads(raw.read_text()).get("runs", {})
+    return sum(_add_missing(out, size, rows) for size, rows in runs.items()
+               if size in SIZES and isinstance(rows, dict))
 
 
 def summary(out: Path) -> dict[str, dict]:

@@ -133,7 +133,8 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
     keys = RunKeys("held")
     r = redis.Redis.from_url(redis_url)
     peak = {"sent": 0, "entries": 0, "state": 0}
-    kept = [0, 0]  # per fragment: the most entries held while its syncer had caught up
+    kept = [0, 0]  # per fragment: the most pushes held while its syncer had caught up
+    superseded = [0, 0]  # per fragment: the most superseded pushes held beside them
     held_versions = [0, 0]  # per fragment: the most snapshots (and :global) seen at once
     snapshot_bytes: dict[int, set[int]] = {0: set(), 1: set()}  # the sizes of one snapshot
     stop = threading.Event()
@@ -158,7 +159,13 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
                     continue
                 if groups and all((g.get("lag") or 0) == 0 and g["pending"] <= 2
                                   for g in groups):
-                    kept[p] = max(kept[p], r.xlen(fk.frags))
+                    # a push superseded before its round closed (its learner pushed again
+                    # from the same base version: rounds closing slower than learners step,
+                    # as under CI's load) is held on top of the term, counted apart
+                    pushes = [(f.get(b"learner"), f.get(b"base_version"))
+                              for _, f in r.xrange(fk.frags)]
+                    kept[p] = max(kept[p], len(set(pushes)))
+                    superseded[p] = max(superseded[p], len(pushes) - len(set(pushes)))
             for k, v in held.items():
                 peak[k] = max(peak[k], v)
             time.sleep(0.1)
@@ -183,10 +190,10 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
                "state": sum(8 * n for n in sizes)}
     total = memory(cfg, Workload(tuple(sizes), 2, 0.1, 10.0, 10.0))["redis_bytes"]
     assert total == pytest.approx(sum(planned.values()))
-    # the plan against the run's peak, as DEPLOY.md §3 states: the state exactly, the entries
-    # not far below their term (pushes in flight come and go between samples) and at most
-    # half above it (a push superseded inside the kept rounds is held too: 0.89-1.08× on a
-    # quiet machine, 1.15-1.31× under CI's load, REDIS.md §3)
+    # the plan against the run's peak, as DEPLOY.md §3 states: the state exactly, the pushes
+    # below their term but not far (pushes in flight come and go between samples: 0.74× quiet,
+    # 0.61-0.68× on loaded cores) and never above it; superseded pushes held beside them are
+    # the excess REDIS.md §3 states (14-17 per fragment here, beside the term's 26)
     assert peak["state"] == pytest.approx(planned["state"], rel=0.01)
     # the snapshots: each one the plan's size (its header: a few hundred bytes), never more
     # of them than the plan counts, and at least the S + 2 a checkpoint keeps. How many the
@@ -199,6 +206,6 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
             p, snapshot_bytes[p], want)
         assert s.max_staleness + 2 <= held_versions[p] <= versions, (p, held_versions)
     assert peak["sent"] <= 1.02 * planned["sent"], (peak, planned)
-    assert 0.5 * planned["entries"] <= peak["entries"] <= 1.5 * planned["entries"], (
-        peak, planned)
-    print(json.dumps({"peak": peak, "planned": planned}))  # the figures, for the record
+    assert 0.4 * planned["entries"] <= peak["entries"] <= planned["entries"], (
+        peak, planned, superseded)
+    print(json.dumps({"peak": peak, "planned": planned, "superseded": superseded}))

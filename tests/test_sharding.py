@@ -231,3 +231,57 @@ def test_a_hand_over_mid_round_loses_none_of_the_round_and_a_lost_lease_drops_qu
         assert r.xlen(keys.fragment(p).rounds) == 2  # nothing committed without the lease
     rep = replay(redis_url, run)
     assert rep["ok"], rep
+
+
+def test_a_fragment_taken_over_between_two_closes_of_the_final_rounds_finishes_later(
+        r, redis_url):
+    """The leases are renewed between two fragments' closes (a long close outlasts a lease):
+    a renewal there that takes over a dead syncer's fragments while every learner has made its
+    final pushes must not end the poll in a KeyError (it did: the syncers of a loaded chaos
+    run died at their end); the fragments taken over finish at a later poll, each once."""
+    import time
+
+    from broker.records import FinalPushes
+
+    cfg = tiny_config(sync={"fragments": N_FRAGS, "quorum": 2, "grace_max_s": 0.0},
+                      broker={"block_ms": 20, "checkpoint_rounds": 2, "checkpoint_s": 0.0})
+    run = "shard-final"
+    keys = store_run(r, run, cfg)
+    with syncers() as make:
+        a, b = make(redis_url, run, "syncer-a"), make(redis_url, run, "syncer-b")
+        a.start()
+        b.start()
+        a.owner.rebalance(force=True)
+        b.owner.rebalance(force=True)
+        assert a.owned and b.owned
+        taken = list(b.owned)
+        for p in range(N_FRAGS):
+            for learner, seed in (("L0", 0), ("L1", 1)):
+                push(r, keys, p, contribution_fields(
+                    learner, p, make_delta(cfg, p, seed), final=True))
+        for learner in ("L0", "L1"):
+            registry.mark_final_pushes(r, keys, learner, FinalPushes(
+                final=list(range(N_FRAGS)), steps=10, tokens=2560))
+        gone(r, keys, b)
+        close = a.rounds.maybe_close
+        calls = []
+
+        def close_then_lease_due(p, expected):
+            calls.append(p)
+            if len(calls) == 1:
+                a._next_lease = 0.0  # this close outlasted a third of the lease period
+            return close(p, expected)
+
+        a.rounds.maybe_close = close_then_lease_due
+        a._next_lease = time.monotonic() + 3600  # not due when the poll starts
+        done = False
+        for _ in range(100):
+            if a.poll_once():
+                done = True
+                break
+        assert done and a.owned == list(range(N_FRAGS))
+        assert set(taken) <= set(calls)  # the fragments taken over were closed too
+    finals = registry.syncer_final_reports(r, keys)
+    assert sorted(int(p) for p in finals["syncer-a"].versions) == list(range(N_FRAGS))
+    assert all(v == 1 for v in finals["syncer-a"].versions.values())
+    assert max(merged_once(r, keys).values()) == 1

@@ -177,11 +177,13 @@ class Syncer:
         return registry.stop_requested(self.ctx.r, self.ctx.keys)
 
     def _finish(self, expected: dict[int, set[str]]) -> bool:
-        """After every learner's final pushes: publish final values, record the versions."""
+        """After every learner's final pushes: publish final values, record the versions.
+        A fragment taken over during this poll (its lease renewal between two closes) is not
+        in `expected`: it finishes at a later poll, which counts its final pushes."""
         for p in self.owned:
             f = self.frags[p]
-            if (not f.finished and expected[p] <= f.final_seen and not f.core.contributors
-                    and not f.deferred):
+            if (not f.finished and p in expected and expected[p] <= f.final_seen
+                    and not f.core.contributors and not f.deferred):
                 f.finished = True
                 self.rounds.publish(p, f.core)
         if not all(self.frags[p].finished for p in self.owned):

@@ -190,10 +190,11 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
                "state": sum(8 * n for n in sizes)}
     total = memory(cfg, Workload(tuple(sizes), 2, 0.1, 10.0, 10.0))["redis_bytes"]
     assert total == pytest.approx(sum(planned.values()))
-    # the plan against the run's peak, as DEPLOY.md §3 states: the state exactly, the pushes
-    # below their term but not far (pushes in flight come and go between samples: 0.74× quiet,
-    # 0.61-0.68× on loaded cores) and never above it; superseded pushes held beside them are
-    # the excess REDIS.md §3 states (14-17 per fragment here, beside the term's 26)
+    # the plan against the run's peak, as DEPLOY.md §3 states: the state exactly; the pushes
+    # never above their term (distinct pushes: 0.74× quiet, 0.61-0.68× on loaded cores, 0.31×
+    # beside another test's run) and, with the superseded ones REDIS.md §3 states held beside
+    # them (14-17 per fragment here, 34 under the heaviest load, beside the term's 26), not
+    # far below it
     assert peak["state"] == pytest.approx(planned["state"], rel=0.01)
     # the snapshots: each one the plan's size (its header: a few hundred bytes), never more
     # of them than the plan counts, and at least the S + 2 a checkpoint keeps. How many the
@@ -206,6 +207,8 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
             p, snapshot_bytes[p], want)
         assert s.max_staleness + 2 <= held_versions[p] <= versions, (p, held_versions)
     assert peak["sent"] <= 1.02 * planned["sent"], (peak, planned)
-    assert 0.4 * planned["entries"] <= peak["entries"] <= planned["entries"], (
+    held = peak["entries"] + sum(n * value_bytes(cfg, sizes[p])["push"]
+                                 for p, n in enumerate(superseded))
+    assert peak["entries"] <= planned["entries"] and held >= 0.5 * planned["entries"], (
         peak, planned, superseded)
     print(json.dumps({"peak": peak, "planned": planned, "superseded": superseded}))

@@ -21,6 +21,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterError,
@@ -44,8 +45,11 @@ URL_ENV = "DILOCO_REDIS_URL"  # where every command looks for the Redis URL last
 
 # What an unreachable Redis (or a cluster whose slots are moving: a failover) raises once the
 # client's own retries are spent. Learners and syncers ride these out (back off, then resync).
+# A slot redirect (MOVED/ASK, `AskError` and its subclass `MovedError`) is among them: a WATCH
+# of a commit's transaction raises it when the failover outlasts the client's retries.
 OUTAGE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError,
-                                       ClusterError, TryAgainError, RedisClusterException)
+                                       ClusterError, TryAgainError, RedisClusterException,
+                                       AskError)
 
 
 # A refusal is a ConnectionError to redis-py, but asking again cannot change the answer.

@@ -47,6 +47,12 @@ fi
 
 case "$what" in
   run)  exec .venv/bin/diloco run "$@" ;;
-  test) exec .venv/bin/python -m pytest "$@" ;;
+  test)
+    # on every core up to 4 (pytest-xdist; most tests wait on the processes they start):
+    # DILOCO_TEST_WORKERS=1 runs them one at a time, and -n on the command line wins
+    workers="${DILOCO_TEST_WORKERS:-$(nproc)}"; [ "$workers" -gt 4 ] && workers=4
+    par=(); if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* ]] && [[ " $* " != *" -n"[0-9]* ]]
+    then par=(-n "$workers" --dist worksteal); fi
+    exec .venv/bin/python -m pytest "${par[@]}" "$@" ;;
   *)    echo "usage: $0 run|test [args...]" >&2; exit 2 ;;
 esac

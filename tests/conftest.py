@@ -22,6 +22,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
                        "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)})
 
+# Under pytest-xdist (`ops/quickstart.sh test` runs the suite on every core, up to 4) a test
+# marked `alone` (it measures CPU shares or delays) runs with no other test beside it: every
+# test holds a shared lock while it runs and an `alone` one the exclusive lock; a gate taken
+# first keeps new tests from starting while an `alone` one waits. Made here, in the process
+# that starts the workers (they inherit the environment); removed when it ends.
+_LOCKS = None
+if "DILOCO_TEST_LOCKS" not in os.environ:
+    _LOCKS = tempfile.mkdtemp(prefix="diloco-test-locks-")
+    os.environ["DILOCO_TEST_LOCKS"] = _LOCKS
+
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
@@ -129,6 +139,39 @@ def _unfused():
     fused.uninstall()
 
 
+@pytest.fixture(autouse=True)
+def _alone(request: pytest.FixtureRequest):
+    """A test marked `alone` runs with no other beside it under pytest-xdist (see `_LOCKS`)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    alone = request.node.get_closest_marker("alone") is not None
+    folder = Path(os.environ["DILOCO_TEST_LOCKS"])
+    with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's folders go with the process that made them (under pytest-xdist the
+    process that starts the workers: it runs no fixture)."""
+    for folder in (_JAX_CACHE, _LOCKS):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _reap_children():
     """Kill any child process a test left behind (a failed test must not leak workers)."""
@@ -139,5 +182,3 @@ def _reap_children():
             child.kill()
         except psutil.NoSuchProcess:
             pass
-    if _JAX_CACHE is not None:
-        shutil.rmtree(_JAX_CACHE, ignore_errors=True)

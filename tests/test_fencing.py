@@ -287,3 +287,15 @@ def test_a_restart_whose_final_pushes_were_merged_is_refused_as_finished(tmp_pat
         assert final.steps == 20 and len(final.hashes) == n
         for p in range(n):  # every step merged once per fragment (without the refusal: 25)
             assert sum(rec.steps for rec in read_rounds(r, keys.fragment(p))) == 20
+
+
+def test_a_slot_redirect_that_outlasts_the_clients_retries_is_an_outage_not_a_crash():
+    """A commit's WATCH on a cluster raises MOVED (or ASK) when a failover outlasts redis-py's
+    retries (seen: the syncer of `test_redis_cluster`'s failover run crashed on it under load);
+    learners and syncers ride it out as an outage, resyncing once the slot answers again."""
+    from redis.exceptions import AskError, MovedError
+
+    from broker.connection import OUTAGE
+
+    assert isinstance(MovedError("6687 127.0.0.1:49619"), OUTAGE)
+    assert isinstance(AskError("6687 127.0.0.1:49619"), OUTAGE)

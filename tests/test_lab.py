@@ -77,6 +77,7 @@ def _probe(lab: Lab, site: int, n: int) -> dict:
 
 
 @needs_lab
+@pytest.mark.alone
 def test_links_are_shaped_delayed_and_quotas_split_the_cpu():
     lab = Lab([SiteSpec(link_mbps=16, rtt_ms=40, cpu=2), SiteSpec(link_mbps=0, rtt_ms=0,
                                                                   cpu=1)], cpu_total=1.5)

@@ -69,7 +69,8 @@ NEUTRAL = ("workers.native.FUSED_ENV", "workers.native.SANITIZE_ENV", "workers.n
            "workers.native.FUSED_MIN_VECTOR_BITS")
 MARKS = ("redis", "process", "compiler")
 # conftest's autouse fixtures around every test (they act only on what a test is marked)
-INFRASTRUCTURE = frozenset({"_tier_guard", "_kernels_built", "_unfused", "_reap_children"})
+INFRASTRUCTURE = frozenset({"_tier_guard", "_kernels_built", "_unfused", "_reap_children",
+                            "_alone"})
 
 
 def _match(qual: str) -> set[str]:

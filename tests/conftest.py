@@ -28,9 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # first keeps new tests from starting while an `alone` one waits. Made here, in the process
 # that starts the workers (they inherit the environment); removed when it ends.
 _LOCKS = None
-if "DILOCO_TEST_LOCKS" not in os.environ:
+if "PYTEST_DILOCO_LOCKS" not in os.environ:
     _LOCKS = tempfile.mkdtemp(prefix="diloco-test-locks-")
-    os.environ["DILOCO_TEST_LOCKS"] = _LOCKS
+    os.environ["PYTEST_DILOCO_LOCKS"] = _LOCKS
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
@@ -148,7 +148,7 @@ def _alone(request: pytest.FixtureRequest):
     import fcntl
 
     alone = request.node.get_closest_marker("alone") is not None
-    folder = Path(os.environ["DILOCO_TEST_LOCKS"])
+    folder = Path(os.environ["PYTEST_DILOCO_LOCKS"])
     with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:

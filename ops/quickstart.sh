@@ -51,6 +51,7 @@ case "$what" in
     # on every core up to 4 (pytest-xdist; most tests wait on the processes they start):
     # DILOCO_TEST_WORKERS=1 runs them one at a time, and -n on the command line wins
     workers="${DILOCO_TEST_WORKERS:-$(nproc)}"; [ "$workers" -gt 4 ] && workers=4
+    unset DILOCO_TEST_WORKERS  # not a setting of the code under test
     par=(); if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* ]] && [[ " $* " != *" -n"[0-9]* ]]
     then par=(-n "$workers" --dist worksteal); fi
     exec .venv/bin/python -m pytest "${par[@]}" "$@" ;;

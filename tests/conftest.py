@@ -141,8 +141,10 @@ def _unfused():
 
 @pytest.fixture(autouse=True)
 def _alone(request: pytest.FixtureRequest):
-    """A test marked `alone` runs with no other beside it under pytest-xdist (see `_LOCKS`)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    """A test marked `alone` runs with no other beside it under pytest-xdist (see `_LOCKS`).
+    Only in an xdist worker itself: a pytest a test starts (the sanitized kernels' run)
+    inherits the worker's environment and must not wait for the locks its parent holds."""
+    if not hasattr(request.config, "workerinput"):
         yield
         return
     import fcntl

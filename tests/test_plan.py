@@ -164,8 +164,9 @@ def test_what_redis_holds_during_a_real_run_is_what_the_plan_says(tmp_path, redi
                     # as under CI's load) is held on top of the term, counted apart
                     pushes = [(f.get(b"learner"), f.get(b"base_version"))
                               for _, f in r.xrange(fk.frags)]
-                    kept[p] = max(kept[p], len(set(pushes)))
-                    superseded[p] = max(superseded[p], len(pushes) - len(set(pushes)))
+                    distinct = len(set(pushes))
+                    kept[p] = max(kept[p], distinct)
+                    superseded[p] = max(superseded[p], len(pushes) - distinct)
             for k, v in held.items():
                 peak[k] = max(peak[k], v)
             time.sleep(0.1)

@@ -463,21 +463,23 @@ def parse_global_frames(
 
 
 def pack_snapshot(run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
-                  sha256: str | None = None) -> bytes:
+                  sha256: str | None = None, base: int = -1, value: str = "") -> bytes:
     """Serialise a merged fragment value as one blob: msgpack ``{"h": header, "t": [bufs]}``.
     `sha256`: their `quant.tensors_hash` if they are in name order (so not hashed twice).
+    `base`, `value`: as :func:`global_frames`' (a delta as sent, kept in ``sent:<v>``).
 
     Raises:
         ValueError: As :func:`global_frames`.
     """
-    header, bufs = _global_parts(run, fragment, version, tensors, sha256=sha256)
+    header, bufs = _global_parts(run, fragment, version, tensors, base, value, sha256=sha256)
     return msgpack.packb({"h": header, "t": bufs}, use_bin_type=True)
 
 
 def unpack_snapshot(
-    blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES
+    blob: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES, delta_ok: bool = False
 ) -> tuple[GlobalHeader, dict[str, QTensor]]:
-    """Decode :func:`pack_snapshot`'s blob.
+    """Decode :func:`pack_snapshot`'s blob; a delta (``header.base >= 0``) only with
+    `delta_ok` (a reader that rebuilds it from the version before).
 
     Raises:
         DecodeError: On any malformed blob; the size limit is checked before decoding.
@@ -487,7 +489,7 @@ def unpack_snapshot(
     assert scan.spans is not None
     (h0, h1), (t0, t1) = scan.spans["h"], scan.spans["t"]
     header = _parse_header(unpack_checked(scan.buf[h0:h1], _HEADER_SCHEMA, "snapshot header"))
-    if header.base != -1:
+    if header.base != -1 and not delta_ok:
         raise DecodeError("a snapshot holds a whole value, not a delta (base must be -1)")
     # as many buffers as the header describes, before msgpack builds them
     expected = sum(2 if c in _BLOCKED else 1 for c in header.codecs)

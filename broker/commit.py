@@ -154,7 +154,7 @@ class FencedState:
         return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
 
     def commit_round(self, p: int, owner: str, *, state: bytes | memoryview | None,
-                     snapshot: bytes,
+                     snapshot: bytes, sent: bytes | None = None,
                      version: int, record: Mapping[str, str | int | float], ack_ids: list[str],
                      drop_sent_versions: Iterable[int] = (),
                      extra_sent: Mapping[int, bytes] | None = None,
@@ -164,8 +164,12 @@ class FencedState:
         """Commit one closed round atomically, fenced by the lease. Returns the record id.
 
         A round writes its record, its acknowledgements and its published value (`snapshot`,
-        as ``sent:<version>`` and ``global``: one copy sent, the second made by the server);
-        a checkpoint round also the fragment's full `state` (None: not a checkpoint).
+        as ``global``, and as ``sent:<version>`` unless `sent` is given: one copy sent, the
+        second made by the server); a checkpoint round also the fragment's full `state`
+        (None: not a checkpoint). `sent`: the value as ``sent:<version>`` keeps it when that
+        is not `snapshot` — under the delta down link the delta as sent, rebuilt from the
+        version before. `extra_sent` are more snapshots (version → blob): rounds Redis lost,
+        and at a checkpoint the oldest one kept, whole (the start of the chain of deltas).
         `drop_sent_versions` are snapshots no longer needed (older than the staleness window
         of both the version and the checkpoint). `merged` (learner → JSON of
         `broker.records.Merged`) updates the fragment's merge records in the same transaction:
@@ -185,8 +189,10 @@ class FencedState:
             RoundsLost: Redis lacks the rounds before this one; nothing was written.
         """
         fk = self.keys.fragment(p)
-        values = {fk.sent(version): snapshot, **({} if state is None else {fk.state: state}),
-                  **{fk.sent(v): blob for v, blob in (extra_sent or {}).items()}}
+        values = {**{fk.sent(v): blob for v, blob in (extra_sent or {}).items()},
+                  fk.sent(version): snapshot if sent is None else sent,
+                  **({} if sent is None else {fk.global_: snapshot}),
+                  **({} if state is None else {fk.state: state})}
         with self._fenced_write(p, owner, values, "the commit", fk.rounds,
                                 retake=retake) as (pipe, staged):
             if after is not None:
@@ -195,7 +201,8 @@ class FencedState:
             pipe.multi()
             for key, blob in values.items():
                 pieces.queue_put(pipe, key, blob, staged[key])
-            pipe.copy(fk.sent(version), fk.global_, replace=True)
+            if sent is None:
+                pipe.copy(fk.sent(version), fk.global_, replace=True)
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
             if drop:
                 pipe.delete(*drop)
@@ -215,22 +222,27 @@ class FencedState:
         return f"{int(record['version'])}-0"
 
     def checkpoint(self, p: int, owner: str, *, state: bytes | memoryview, version: int,
-                   drop_sent_versions: Iterable[int] = ()) -> None:
+                   drop_sent_versions: Iterable[int] = (),
+                   extra_sent: Mapping[int, bytes] | None = None) -> None:
         """Write the fragment's full state at its committed `version` outside a round (the
         end of a run, a hand-over), fenced by the lease; Redis must hold that version's round
         record (a checkpoint ahead of the rounds stream could not be recovered from).
+        `extra_sent` and `drop_sent_versions` as :meth:`commit_round`'s.
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
-        with self._fenced_write(p, owner, {fk.state: state}, "the checkpoint", fk.rounds,
+        values = {**{fk.sent(v): blob for v, blob in (extra_sent or {}).items()},
+                  fk.state: state}
+        with self._fenced_write(p, owner, values, "the checkpoint", fk.rounds,
                                 retake=True) as (pipe, staged):
             self._require_rounds(pipe, fk.rounds, p, version,
                                  f"the checkpoint is of v{version}")
             pipe.multi()
-            pieces.queue_put(pipe, fk.state, state, staged[fk.state])
+            for key, blob in values.items():
+                pieces.queue_put(pipe, key, blob, staged[key])
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
             if drop:
                 pipe.delete(*drop)

@@ -64,7 +64,8 @@ Per-fragment keys:
 ``ddl:{<run>/fNNNN}:sent:<version>``  string    snapshot of a recent version (anchors stale
                                                 contributions; kept from max_staleness versions
                                                 before the older of the version and the
-                                                checkpoint)
+                                                checkpoint); under the delta down link the
+                                                delta as sent, but the oldest kept: whole
 ``ddl:{<run>/fNNNN}:rounds``          stream    one record per closed round
                                                 (``broker.records.RoundRecord``)
 ``ddl:{<run>/fNNNN}:merged``          hash      ``<learner>`` → JSON of that learner's last

@@ -6,8 +6,9 @@ Per fragment of n values (`value_bytes`):
 
 * a push's payload: `codec_up` bytes (int4: n/2 + 4 bytes per block of `quant_block`), in
   the fields of one stream entry;
-* a published merged value: `codec_down` bytes; with `down_delta` the first one, and every
-  snapshot a joining learner reads (`:global`, `:sent:<v>`), is the exact reference in fp32;
+* a published merged value: `codec_down` bytes; with `down_delta` the first one, and the
+  snapshots a reader needs whole (`:global`, the oldest `:sent:<v>`), is the exact reference
+  in fp32;
 * the syncer's checkpointed state (`:state`): Θ and the outer momentum in fp32, 8n bytes.
 
 Pushes, snapshots and states are carried in pieces of `broker.piece_bytes` (`broker.pieces`,

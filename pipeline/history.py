@@ -70,6 +70,12 @@ class History:
                 self._kept[nxt] = ("whole", self[nxt])
             del self._kept[oldest]
 
+    def delta(self, version: int) -> Mapping[str, quant.QTensor] | None:
+        """The delta against the version before that `version` went out as, when it is kept
+        so (None: it is kept whole or coded)."""
+        kind, kept = self._kept[version]
+        return kept if kind == "delta" else None
+
     def __getitem__(self, version: int) -> Values:
         if version == self._newest[0]:
             return self._newest[1]

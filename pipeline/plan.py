@@ -162,7 +162,8 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
       the rounds since a checkpoint, and the open one, of at most one push per learner each,
       and up to two pushes per learner not yet read), one
       snapshot per version a stale push may still name (`max_staleness` + the rounds since a
-      checkpoint), the latest value, and the checkpoint (Θ and momentum: 8 B a value).
+      checkpoint; under the delta down link all but the oldest kept as the deltas sent:
+      `snapshots_bytes`), the latest value, and the checkpoint (Θ and momentum: 8 B a value).
     """
     s, b = cfg.effective_sync(), cfg.broker
     n_max = max(w.fragment_values)
@@ -175,16 +176,26 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
     # the rounds kept and the open one (at most one push per learner each), and up to two
     # pushes per learner not yet read (its last one and, at the end, its final flush)
     entries = (max(b.keep_rounds, b.checkpoint_rounds) + 3) * w.learners
-    versions = s.max_staleness + b.checkpoint_rounds + 1
     parts = {"redis_entries_bytes": sum(entries * value_bytes(cfg, n)["push"]
                                         for n in w.fragment_values),
-             "redis_snapshots_bytes": sum((versions + 1) * value_bytes(cfg, n)["snapshot"]
-                                          for n in w.fragment_values),
+             "redis_snapshots_bytes": sum(snapshots_bytes(cfg, n) for n in w.fragment_values),
              "redis_checkpoints_bytes": sum(8 * n for n in w.fragment_values)}
     redis = sum(parts.values())
     return {"learner_bytes": float(learner), "syncer_bytes": float(syncer_each),
             "redis_bytes": float(redis), **{k: float(v) for k, v in parts.items()},
             "redis_bytes_during_aof_rewrite": 2.0 * redis}
+
+
+def snapshots_bytes(cfg: RunConfig, n: int) -> int:
+    """The most a fragment of `n` values keeps in ``sent:<v>`` and ``global`` at once: the
+    versions from `max_staleness` before the checkpoint to the newest, and the latest value
+    whole. Under the delta down link each version but the oldest is kept as the delta sent
+    (`broker.commit`), else each is its whole value as sent."""
+    s, b, v = cfg.effective_sync(), cfg.broker, value_bytes(cfg, n)
+    versions = s.max_staleness + b.checkpoint_rounds + 1
+    if s.down_delta:
+        return 2 * v["snapshot"] + (versions - 1) * v["publish_steady"]
+    return (versions + 1) * v["snapshot"]
 
 
 def plan(cfg: RunConfig, w: Workload, costs: Costs) -> dict[str, dict]:

@@ -461,9 +461,9 @@ class FragmentSyncer:
         # thrown away): the checkpoint's arrays go in as they are
         treedef = jax.tree_util.tree_structure(init_state(
             outer_optimizer(outer_cfg), {k: np.zeros((), np.float32) for k in d["theta"]}))
-        history = History.from_values({int(v): {k: np.asarray(a, np.float32)
-                                                for k, a in h.items()}
-                                       for v, h in d["history"].items()})
+        history = d["history"] if isinstance(d["history"], History) else History.from_values(
+            {int(v): {k: np.asarray(a, np.float32) for k, a in h.items()}
+             for v, h in d["history"].items()})
         # re-published whole under the delta down link: the delta that made it is not kept
         s = cls(int(d["fragment"]), d["theta"], outer_cfg, sync_cfg, int(d["version"]),
                 is_embedding=is_embedding, prior_step_norm=prior_step_norm, history=history,

@@ -59,3 +59,42 @@ def test_a_value_sent_whole_in_a_codec_is_kept_coded_and_a_key_frame_whole():
     assert list(h) == [2, 3] and all(np.array_equal(h[3][k], key[k]) for k in key)
     back = History.from_values({3: key, 2: values2})
     assert list(back) == [2, 3] and all(np.array_equal(back[2][k], values2[k]) for k in key)
+
+
+def test_snapshots_kept_as_sent_rebuild_the_history_and_a_forged_delta_is_refused():
+    """Redis keeps a fragment's ``sent:<v>`` as the delta sent but the oldest (whole): recovery
+    rebuilds every version bit for bit, checks each delta against the hash of the value it
+    names, and starts the chain again at a whole value when a delta's base is missing."""
+    from broker import codec
+    from broker.errors import DecodeError
+    from pipeline.quant import tensors_hash
+    from workers.recovery import history_from_snapshots
+
+    rng = np.random.default_rng(1)
+    theta = _theta(rng, 0)
+    held = {0: {k: v.copy() for k, v in theta.items()}}
+    blobs = {0: codec.pack_snapshot("r", 3, 0, full_value(held[0]))}
+    for v in range(1, 6):
+        theta = {k: x + 0.01 * rng.standard_normal(x.shape).astype(np.float32)
+                 for k, x in theta.items()}
+        sent, held[v] = encode_down(theta, "int4", 64, held[v - 1])
+        blobs[v] = codec.pack_snapshot("r", 3, v, sent, base=v - 1,
+                                       value=tensors_hash(held[v]))
+    with pytest.raises(DecodeError, match="not a delta"):
+        codec.unpack_snapshot(blobs[1])  # a reader that does not rebuild deltas refuses one
+    h = history_from_snapshots(blobs, 2**30)
+    assert list(h) == [0, 1, 2, 3, 4, 5]
+    for u, values in h.items():
+        assert all(np.array_equal(values[k], held[u][k]) for k in theta), u
+    assert h.nbytes() < 0.5 * 6 * sum(a.nbytes for a in theta.values())  # kept as sent
+    # the chain broken at v2 (its base gone): it starts again at the next whole value
+    del blobs[2]
+    blobs[4] = codec.pack_snapshot("r", 3, 4, full_value(held[4]))
+    assert list(history_from_snapshots(blobs, 2**30)) == [4, 5]
+    assert history_from_snapshots({1: blobs[1]}, 2**30) is None
+    # a delta that does not make the value it names (a forged one: its own SHA-256 right)
+    forged = {k: codec.QTensor(q.codec, q.shape, np.roll(q.data, 1), q.scales, q.block)
+              for k, q in encode_down(theta, "int4", 64, held[4])[0].items()}
+    blobs[5] = codec.pack_snapshot("r", 3, 5, forged, base=4, value=tensors_hash(held[5]))
+    with pytest.raises(DecodeError, match="does not make the value"):
+        history_from_snapshots(blobs, 2**30)

@@ -147,7 +147,11 @@ def test_crash_before_commit_then_restart_merges_pending_entries_once(tmp_path, 
     version, values = global_value(r, fk)
     assert version == want_version == 1
     assert_values_equal(values, want)
-    assert r.get(fk.sent(1)) == r.get(fk.global_)
+    # under the delta down link (the default) `sent:1` keeps the delta as sent, which
+    # makes the whole value `global` holds
+    sent1, _ = codec.unpack_snapshot(r.get(fk.sent(1)), delta_ok=True)
+    whole, _ = codec.unpack_snapshot(r.get(fk.global_))
+    assert (sent1.version, sent1.base, sent1.value) == (1, 0, whole.sha256)
     # the other fragment saw nothing
     assert state_version(r, keys.fragment(OTHER)) == 0
     assert r.xlen(keys.fragment(OTHER).rounds) == 0
@@ -526,6 +530,50 @@ def _same_state(a, b):
     assert a.seen == b.seen
 
 
+def _sent_bases(r, fk, versions) -> list[int]:
+    """The base of each ``sent:<v>`` snapshot (-1: whole)."""
+    from broker import pieces
+    return [codec.unpack_snapshot(pieces.read(r, fk.sent(v), max_bytes=2**30),
+                                  delta_ok=True)[0].base for v in versions]
+
+
+def test_a_learner_asking_about_a_push_merged_into_a_version_kept_as_a_delta_gets_the_latest(
+        r, redis_url):
+    """A learner whose push was merged into v2 but whose value never came asks Redis
+    (`workers.island_lookup`): `sent:2` is the delta as sent, no use to it, so it rebases onto
+    the latest value, whole in `global`."""
+    import types
+
+    from workers.island_lookup import MergedLookup
+    from workers.learner_net import LearnerNet
+
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
+                      broker={"block_ms": 50, "checkpoint_rounds": 100, "checkpoint_s": 0.0})
+    run = "asks"
+    keys = store_run(r, run, cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
+        a.start()
+        _rounds(r, keys, cfg, a, 2)
+        asked = registry.merged(r, keys, "L0", P)
+        raw = r.hget(fk.merged, "L0")
+        _rounds(r, keys, cfg, a, 1, base=2)
+        latest = a.frags[P].core
+    r.hset(fk.merged, "L0", raw)  # L0's push of the last round never came
+    assert asked.version == 2 and _sent_bases(r, fk, (2,)) == [1]
+    ctx = open_run(redis_url, run, wait_s=0)
+    net = types.SimpleNamespace(ctx=ctx, redis_down=False, inbox=None)
+    net.check_value = lambda h, t: LearnerNet.check_value(net, h, t)
+    try:
+        found = MergedLookup(ctx, "L0", net).lookup(P, (asked.base_version, asked.step))
+        assert found is not None and found[0] == latest.version == 3
+        for k, v in latest.sent_values.items():
+            np.testing.assert_array_equal(found[1][k], v)
+        assert MergedLookup(ctx, "L0", net).lookup(P, (asked.base_version, 0)) is None
+    finally:
+        ctx.r.close()
+
+
 @pytest.mark.parametrize("piece_bytes", [64 * 2**20, 2048], ids=["whole", "in pieces"])
 def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redis_url,
                                                                          piece_bytes):
@@ -556,6 +604,9 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
         # the anchors of the checkpoint's stale contributions (v1..v3) and the newer ones
         assert sorted(int(k.decode().rsplit(":", 1)[1]) for k in r.keys(fk.sent("*"))) == [
             1, 2, 3, 4, 5]
+        # under the delta down link each is kept as sent (the delta against the version
+        # before) but the oldest, made whole by the checkpoint that made it the oldest
+        assert _sent_bases(r, fk, range(1, 6)) == [-1, 1, 2, 3, 4]
         # the first syncer is gone: its leases and its membership have run out
         r.delete(fk.lease, keys.fragment(OTHER).lease)
         r.delete(keys.member("syncer-0"))
@@ -595,6 +646,7 @@ def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redi
             _rounds(r, keys, cfg, b, 1, base=5)
             assert state_version(r, fk) == committed_version(r, fk) == 6
             assert not r.exists(fk.sent(3)) and r.exists(fk.sent(4))
+            assert _sent_bases(r, fk, (4, 5, 6)) == [-1, 4, 5]
             assert r.type(fk.state) == (b"hash" if piece_bytes < 2**20 else b"string")
     rep = replay(redis_url, run)
     assert rep["ok"], rep
@@ -632,22 +684,32 @@ def test_rounds_redis_lost_are_committed_again_with_their_snapshots(r, redis_url
         finally:
             sub.close()
         held = {v: pieces.read(r, fk.sent(v), max_bytes=2**30) for v in (1, 2, 3)}
+        latest = pieces.read(r, fk.global_, max_bytes=2**30)
         assert len(a.frags[P].snapshots) == (0 if down_delta else 3)
-        # sent whole, a round's message and snapshot hold one value under one SHA-256
-        # (hashed once: the round record's); a delta is another value
-        hashes = {v: codec.unpack_snapshot(held[v])[0].sha256 for v in held}
+        # a round's message and its snapshot hold the same bytes under one SHA-256: sent
+        # whole, hashed once (the round record's); a delta, kept as sent, hashed for each
+        heads = {v: codec.unpack_snapshot(held[v], delta_ok=True)[0] for v in held}
         assert [h.version for h in sent] == [1, 2, 3]
-        assert all((h.sha256 == hashes[h.version]) != down_delta for h in sent)
-        assert len(hashed) == (3 if down_delta else 0)  # the deltas' only
+        assert all(h.sha256 == heads[h.version].sha256 for h in sent)
+        assert all((heads[v].base, heads[v].value) == ((v - 1, h.value) if down_delta
+                                                       else (-1, "")) for v, h in zip(
+                                                           (1, 2, 3), sent, strict=True))
+        assert len(hashed) == (6 if down_delta else 0)  # the deltas' only
+        assert (latest == held[3]) != down_delta  # `global` is whole
         r.xdel(fk.rounds, "2-0", "3-0")
         r.execute_command("XSETID", fk.rounds, "1-0")
         r.delete(fk.sent(2), fk.sent(3))
-        r.copy(fk.sent(1), fk.global_, replace=True)
+        if not down_delta:
+            r.copy(fk.sent(1), fk.global_, replace=True)
         a.commits.resync()
         assert [i for i, _ in r.xrange(fk.rounds)] == [b"1-0", b"2-0", b"3-0"]
-        for v in (1, 2, 3):
+        for v in (2, 3):
             assert pieces.read(r, fk.sent(v), max_bytes=2**30) == held[v], v
-        assert pieces.read(r, fk.global_, max_bytes=2**30) == held[3]
+        assert pieces.read(r, fk.global_, max_bytes=2**30) == latest
+        # the checkpoint written with them makes the oldest snapshot recovery reads whole
+        # (max_staleness 2 before v3): under the delta down link the value its delta made
+        v1, _ = codec.unpack_snapshot(pieces.read(r, fk.sent(1), max_bytes=2**30))
+        assert v1.sha256 == (heads[1].value if down_delta else heads[1].sha256)
 
 
 def test_rounds_that_cannot_be_replayed_stop_the_successor_with_the_reason(r, redis_url):

@@ -75,11 +75,15 @@ class MergedLookup:
             if rec is None or (rec.base_version, rec.step) != key:
                 return None
             limit = self.ctx.cfg.broker.max_payload_bytes
-            blob = (pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
-                    or pieces.read(r, fk.global_, max_bytes=limit, what="snapshot"))
-            if blob is None:
-                return None
-            header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
+            blob = pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
+            header, tensors = (None, {}) if blob is None else codec.unpack_snapshot(
+                blob, max_bytes=limit, delta_ok=True)
+            if header is None or header.base >= 0:  # gone, or kept as the delta sent: the
+                # latest value (whole) holds the push too
+                blob = pieces.read(r, fk.global_, max_bytes=limit, what="snapshot")
+                if blob is None:
+                    return None
+                header, tensors = codec.unpack_snapshot(blob, max_bytes=limit)
         except (redis.RedisError, *OUTAGE) as e:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing at the fragment's next turn", self.id, key[1], p, e)

@@ -37,8 +37,9 @@ from broker.state import unpack_state
 from pipeline import capacity, quant
 from pipeline.config import RunConfig
 from pipeline.contribution import Contribution
-from pipeline.downlink import full_value
+from pipeline.downlink import apply_delta, full_value
 from pipeline.guard import fragment_prior
+from pipeline.history import History
 from pipeline.syncer import FragmentSyncer, RoundResult
 
 _PAGE = 500
@@ -190,18 +191,48 @@ def restore_checkpoint(state: dict, cfg: RunConfig, shapes: Mapping[str, tuple[i
     Raises:
         DecodeError: A snapshot is malformed.
     """
-    history = {}
-    for v, snap in sent.items():
-        header, tensors = codec.unpack_snapshot(snap, max_bytes=max_bytes)
-        if header.version != v:
-            raise DecodeError(f"snapshot sent:{v} holds version {header.version}")
-        history[str(v)] = {k: quant.dequantize(q) for k, q in tensors.items()}
-    if str(state["version"]) not in history:
+    history = history_from_snapshots(sent, max_bytes)
+    if history is None or int(state["version"]) not in history:
         raise DecodeError(f"the snapshot of the checkpoint's version {state['version']} is "
                           f"missing")
     state["history"] = history
     return FragmentSyncer.from_state_dict(state, cfg.outer, cfg.effective_sync(), is_embedding,
                                           fragment_prior(cfg, shapes))
+
+
+def history_from_snapshots(sent: Mapping[int, bytes | bytearray],
+                           max_bytes: int) -> History | None:
+    """The values of consecutive versions (version → ``sent:<v>`` blob) as learners held
+    them: a whole snapshot as it is, a delta (the delta down link keeps each version but the
+    oldest as it was sent) applied to the version before and checked against the hash of the
+    value it makes. A version whose chain is broken (a delta without the version before it)
+    is left out, with those before it: a stale push anchored there is refused as
+    unanchored. None when no version is left.
+
+    Raises:
+        DecodeError: A snapshot is malformed, names another version, or a delta does not make
+            the value its header names.
+    """
+    history: History | None = None
+    for v in sorted(sent):
+        header, tensors = codec.unpack_snapshot(sent[v], max_bytes=max_bytes, delta_ok=True)
+        if header.version != v:
+            raise DecodeError(f"snapshot sent:{v} holds version {header.version}")
+        if header.base < 0:
+            values = {k: quant.dequantize(q) for k, q in tensors.items()}
+            if history is None:
+                history = History(v, values)
+            else:
+                history.add(v, values, {}, -1)
+            continue
+        if history is None or header.base != v - 1 or header.base not in history:
+            history = None  # the chain restarts at the next whole value
+            continue
+        values = apply_delta(history[header.base], tensors)
+        if quant.tensors_hash(values) != header.value:
+            raise DecodeError(f"snapshot sent:{v}: its delta does not make the value it names")
+        history.add(v, values, tensors, header.base)
+    return history
 
 
 def committed_theta(r: redis.Redis, fk: FragmentKeys, cfg: RunConfig,

@@ -17,7 +17,7 @@ from broker.state import pack_state, unpack_state
 from pipeline import capacity
 from pipeline.syncer import FragmentSyncer
 from workers import recovery
-from workers.syncer_state import FragState, SyncerShared
+from workers.syncer_state import FragState, SyncerShared, whole_snapshot
 
 log = logging.getLogger("diloco.syncer")
 
@@ -36,6 +36,27 @@ class Commits:
     def snapshot(self, core: FragmentSyncer) -> bytes:
         return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
                                    core.snapshot_tensors, sha256=core.sent_hash)
+
+    def sent_snapshot(self, core: FragmentSyncer) -> bytes | None:
+        """What ``sent:<version>`` keeps when it is not the whole value: under the delta down
+        link a delta as it was sent (an int4 delta: 1/7 of the fp32 value), rebuilt from the
+        version before (`workers.recovery.history_from_snapshots`); None otherwise."""
+        if core.sent_base < 0:
+            return None
+        return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
+                                   core.sent, base=core.sent_base, value=core.sent_hash)
+
+    def whole_floor(self, f: FragState, floor: int) -> dict[int, bytes]:
+        """The oldest snapshot kept from now on (`floor`), whole, when it moves (a
+        checkpoint): the start of the chain of deltas recovery rebuilds (version → blob;
+        empty when not needed, or when the core no longer holds that version — then the
+        checkpoint that moved the floor there made it whole)."""
+        core = f.core
+        if (not core.sync_cfg.down_delta or floor <= max(0, f.sent_floor)
+                or floor == core.version or floor not in core.history):
+            return {}
+        return {floor: whole_snapshot(self.sh.ctx.keys.run, core.fragment, floor,
+                                      core.history[floor])}
 
     def checkpoint_due(self, f: FragState) -> bool:
         """Whether the round being committed writes the fragment's full state."""
@@ -57,7 +78,8 @@ class Commits:
         try:
             self.sh.store.commit_round(
                 p, self.sh.cfg.syncer_id, state=self.state_blob(f.core) if checkpoint else None,
-                snapshot=snapshot, version=version, record=record, ack_ids=acks,
+                snapshot=snapshot, sent=self.sent_snapshot(f.core), version=version,
+                record=record, ack_ids=acks, extra_sent=self.whole_floor(f, floor),
                 drop_sent_versions=range(f.sent_floor, floor), after=version - 1, merged=merged)
             if checkpoint:
                 f.ckpt_version, f.ckpt_t = version, time.monotonic()
@@ -103,7 +125,8 @@ class Commits:
         try:
             self.sh.store.checkpoint(p, self.sh.cfg.syncer_id, state=self.state_blob(f.core),
                                        version=f.core.version,
-                                       drop_sent_versions=range(f.sent_floor, floor))
+                                       drop_sent_versions=range(f.sent_floor, floor),
+                                       extra_sent=self.whole_floor(f, floor))
         except RoundsLost as e:  # a failover lost rounds: re-commit them (a checkpoint too)
             log.error("%s; re-committing", e)
             self.resync()
@@ -189,10 +212,14 @@ class Commits:
                 state = state or self.state_blob(f.core)
                 sent = f.snapshots_since(stored, sh.ctx.keys.run)
             sent = {v: blob for v, blob in sent.items() if v > stored}
+            # the state written here moves the oldest snapshot recovery reads: made whole
+            sent.update(self.whole_floor(f, f.core.version - sh.sync.max_staleness))
             # retaken if it expired during the write (a large fragment on a starved host)
             # and nobody took it since: this writes the state with the rounds
             sh.store.commit_round(
-                p, me, state=state, snapshot=sent[f.core.version], version=f.core.version,
+                p, me, state=state, snapshot=self.snapshot(f.core),
+                sent=sent[f.core.version] if f.core.sync_cfg.down_delta else None,
+                version=f.core.version,
                 record=lost[-1][0].to_fields(),
                 earlier_records=[rec.to_fields() for rec, *_ in lost[:-1]],
                 ack_ids=[i for _, acks, _ in lost for i in acks], extra_sent=sent,

@@ -10,7 +10,10 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from broker import codec, registry, signing
 from broker.entries import payload_pieces, pieces_sha256
@@ -21,6 +24,7 @@ from broker.streams import Entry, FragmentStreams
 from pipeline.contribution import PushHeader
 from pipeline.downlink import full_value
 from pipeline.fragments import fragment_sizes
+from pipeline.quant import tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import RunContext
 from workers.scalars import ScalarLog
@@ -83,11 +87,25 @@ class FragState:
         """The packed snapshots of the versions after `stored` that this syncer can still
         rebuild (a re-commit of rounds Redis lost)."""
         out = {v: b for v, b in self.snapshots.items() if v > stored}
-        if self.core.sync_cfg.down_delta:
-            for v, values in self.core.history.items():
-                if v > stored and v not in out:
-                    out[v] = codec.pack_snapshot(run, self.core.fragment, v, full_value(values))
+        if self.core.sync_cfg.down_delta:  # as the rounds wrote them: a delta as sent when
+            # the version before is in Redis (or written with it), else the whole value
+            h = self.core.history
+            for v, values in h.items():
+                if v <= stored or v in out:
+                    continue
+                delta = h.delta(v) if v - 1 >= stored else None
+                out[v] = (whole_snapshot(run, self.core.fragment, v, values) if delta is None
+                          else codec.pack_snapshot(run, self.core.fragment, v, delta, base=v - 1,
+                                                   value=tensors_hash(values)))
         return dict(sorted(out.items()))
+
+
+def whole_snapshot(run: str, fragment: int, version: int,
+                   values: Mapping[str, np.ndarray]) -> bytes:
+    """A version's value learners held, as a whole fp32 snapshot (in name order, as
+    `FragmentSyncer.snapshot_tensors`: the same bytes and hash as its round's)."""
+    t = full_value(values)
+    return codec.pack_snapshot(run, fragment, version, {k: t[k] for k in sorted(t)})
 
 
 def payload_digest(e: Entry, limit: int) -> str | None:

@@ -22,7 +22,7 @@ record). The ``--json`` output is one object; its keys are documented in :func:`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from broker.state import unpack_state
 from pipeline import capacity
 from pipeline import config as cfgmod
 from pipeline.guard import fragment_prior
-from pipeline.quant import tensors_hash
+from pipeline.quant import QTensor, tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import open_run
 from workers.recovery import fetch_entries, iter_records, replay_round
@@ -183,7 +183,8 @@ class _Replay:
         """Replay one round; False (with the divergence recorded) if anything differs."""
         check = replay_round(core, rec, inputs, self.max_bytes)
         if not check.problems and check.result is not None:
-            problem = self._check_snapshot(rec.version, check.result.sent_hash)
+            problem = self._check_snapshot(rec.version, check.result.sent_hash,
+                                           core.sent if core.sent_base >= 0 else None)
             if problem:
                 check.bad("snapshot", problem)
         if check.problems:
@@ -223,14 +224,21 @@ class _Replay:
 
     # -- cross-checks against what Redis still holds ---------------------------------------------
 
-    def _check_snapshot(self, version: int, recomputed: str) -> str | None:
-        """Compare with the `sent:<version>` snapshot if Redis still holds it."""
+    def _check_snapshot(self, version: int, recomputed: str,
+                        sent: Mapping[str, QTensor] | None = None) -> str | None:
+        """Compare with the `sent:<version>` snapshot if Redis still holds it (`sent`: the
+        delta replay published, under the delta down link)."""
         blob = pieces.read(self.r, self.fk.sent(version), max_bytes=self.max_bytes,
                            what="snapshot")
         if blob is None:
             return None
-        header, tensors = codec.unpack_snapshot(blob, max_bytes=self.max_bytes)
+        header, tensors = codec.unpack_snapshot(blob, max_bytes=self.max_bytes, delta_ok=True)
         stored = tensors_hash(tensors)
+        if header.base >= 0:  # a delta as sent (the delta down link): replay's own, naming
+            # the value replay made
+            same = (sent is not None and header.base == version - 1
+                    and stored == tensors_hash(sent))
+            stored = header.value if same else f"{header.value} of another delta"
         if header.version != version or stored != recomputed:
             what = "the initial value from the configuration" if version == 0 else "replay"
             return (f"snapshot sent:{version} (version {header.version}, hash {stored}) differs "

@@ -9,12 +9,12 @@ This module owns every byte layout that crosses a process boundary:
 * snapshots, the same content as one bytes blob for storing in Redis.
 
 Everything is msgpack plus raw little-endian buffers; no Python-object serialisation is
-ever used, so decoding runs no code chosen by the sender. Pure functions: no
-sockets, no Redis. Decoding validates every size, type, dtype and checksum before building
-arrays and raises :class:`~broker.errors.DecodeError` for any malformed input; size limits
-are checked before msgpack sees the bytes, and every document is scanned against its schema
-(kinds, keys, lengths: :func:`unpack_checked`) before msgpack builds anything, so no input
-makes a decoder hold more than its input and the output its schema allows.
+ever used, so decoding runs no code chosen by the sender. Pure functions: no sockets, no
+Redis. Decoding validates every size, type, dtype and checksum before building arrays and
+raises :class:`~broker.errors.DecodeError` for any malformed input; size limits are checked
+before msgpack sees the bytes, and every document is scanned against its schema (kinds, keys,
+lengths: :func:`unpack_checked`) before msgpack builds anything, so no input makes a decoder
+hold more than its input and the output its schema allows.
 """
 
 from __future__ import annotations
@@ -463,16 +463,15 @@ def parse_global_frames(
 
 
 def pack_snapshot(run: str, fragment: int, version: int, tensors: Mapping[str, QTensor], *,
-                  sha256: str | None = None, base: int = -1, value: str = "") -> bytes:
-    """Serialise a merged fragment value as one blob: msgpack ``{"h": header, "t": [bufs]}``.
-    `sha256`: their `quant.tensors_hash` if they are in name order (so not hashed twice).
-    `base`, `value`: as :func:`global_frames`' (a delta as sent, kept in ``sent:<v>``).
-
-    Raises:
-        ValueError: As :func:`global_frames`.
-    """
+                  sha256: str | None = None, base: int = -1, value: str = "") -> memoryview:
+    """A merged fragment value as one blob, msgpack ``{"h": header, "t": [bufs]}``: a view of
+    the packer's buffer (``packb`` would copy it once more). `sha256`: the tensors'
+    `quant.tensors_hash` if they are in name order (so not hashed twice); `base`, `value` as
+    :func:`global_frames`' (a delta as sent, kept in ``sent:<v>``). ValueError as it raises."""
     header, bufs = _global_parts(run, fragment, version, tensors, base, value, sha256=sha256)
-    return msgpack.packb({"h": header, "t": bufs}, use_bin_type=True)
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack({"h": header, "t": bufs})
+    return packer.getbuffer()
 
 
 def unpack_snapshot(

@@ -154,10 +154,10 @@ class FencedState:
         return {v: b for v, b in zip(vs, blobs, strict=True) if b is not None}
 
     def commit_round(self, p: int, owner: str, *, state: bytes | memoryview | None,
-                     snapshot: bytes, sent: bytes | None = None,
+                     snapshot: bytes | memoryview, sent: bytes | memoryview | None = None,
                      version: int, record: Mapping[str, str | int | float], ack_ids: list[str],
                      drop_sent_versions: Iterable[int] = (),
-                     extra_sent: Mapping[int, bytes] | None = None,
+                     extra_sent: Mapping[int, bytes | memoryview] | None = None,
                      earlier_records: list[Mapping] | None = None,
                      after: int | None = None,
                      merged: Mapping[str, str] | None = None, retake: bool = False) -> str:
@@ -168,8 +168,7 @@ class FencedState:
         second made by the server); a checkpoint round also the fragment's full `state`
         (None: not a checkpoint). `sent`: the value as ``sent:<version>`` keeps it when that
         is not `snapshot` — under the delta down link the delta as sent, rebuilt from the
-        version before. `extra_sent` are more snapshots (version → blob): rounds Redis lost,
-        and at a checkpoint the oldest one kept, whole (the start of the chain of deltas).
+        version before. `extra_sent` are more snapshots (version → blob): rounds Redis lost.
         `drop_sent_versions` are snapshots no longer needed (older than the staleness window
         of both the version and the checkpoint). `merged` (learner → JSON of
         `broker.records.Merged`) updates the fragment's merge records in the same transaction:
@@ -221,28 +220,37 @@ class FencedState:
                 raise res  # anything but "this round record exists already"
         return f"{int(record['version'])}-0"
 
+    def put_sent(self, p: int, owner: str, version: int, snapshot: bytes | memoryview) -> None:
+        """Replace ``sent:<version>`` by `snapshot`, fenced by the lease: the same value in
+        another form (a delta made whole before a checkpoint makes it the oldest kept).
+
+        Raises:
+            LeaseLost: another syncer holds the fragment; nothing was written.
+        """
+        key = self.keys.fragment(p).sent(version)
+        with self._fenced_write(p, owner, {key: snapshot}, "a snapshot") as (pipe, staged):
+            pipe.multi()
+            pieces.queue_put(pipe, key, snapshot, staged[key])
+            pipe.execute()
+            staged.clear()
+
     def checkpoint(self, p: int, owner: str, *, state: bytes | memoryview, version: int,
-                   drop_sent_versions: Iterable[int] = (),
-                   extra_sent: Mapping[int, bytes] | None = None) -> None:
+                   drop_sent_versions: Iterable[int] = ()) -> None:
         """Write the fragment's full state at its committed `version` outside a round (the
         end of a run, a hand-over), fenced by the lease; Redis must hold that version's round
         record (a checkpoint ahead of the rounds stream could not be recovered from).
-        `extra_sent` and `drop_sent_versions` as :meth:`commit_round`'s.
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
             RoundsLost: Redis lacks rounds up to `version`; nothing was written.
         """
         fk = self.keys.fragment(p)
-        values = {**{fk.sent(v): blob for v, blob in (extra_sent or {}).items()},
-                  fk.state: state}
-        with self._fenced_write(p, owner, values, "the checkpoint", fk.rounds,
+        with self._fenced_write(p, owner, {fk.state: state}, "the checkpoint", fk.rounds,
                                 retake=True) as (pipe, staged):
             self._require_rounds(pipe, fk.rounds, p, version,
                                  f"the checkpoint is of v{version}")
             pipe.multi()
-            for key, blob in values.items():
-                pieces.queue_put(pipe, key, blob, staged[key])
+            pieces.queue_put(pipe, fk.state, state, staged[fk.state])
             drop = [fk.sent(v) for v in drop_sent_versions if v >= 0 and v != version]
             if drop:
                 pipe.delete(*drop)
@@ -250,7 +258,7 @@ class FencedState:
             staged.clear()
 
     def init_fragment(self, p: int, owner: str, *, state: bytes | memoryview,
-                      snapshot: bytes) -> bool:
+                      snapshot: bytes | memoryview) -> bool:
         """Write version 0 if the fragment has no state yet (fenced by the lease)."""
         fk = self.keys.fragment(p)
         if self.r.exists(fk.state):

@@ -33,11 +33,11 @@ class Commits:
         d.pop("history")  # kept as per-version snapshots (the `sent:<v>` keys)
         return pack_state(d)
 
-    def snapshot(self, core: FragmentSyncer) -> bytes:
+    def snapshot(self, core: FragmentSyncer) -> memoryview:
         return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
                                    core.snapshot_tensors, sha256=core.sent_hash)
 
-    def sent_snapshot(self, core: FragmentSyncer) -> bytes | None:
+    def sent_snapshot(self, core: FragmentSyncer) -> memoryview | None:
         """What ``sent:<version>`` keeps when it is not the whole value: under the delta down
         link a delta as it was sent (an int4 delta: 1/7 of the fp32 value), rebuilt from the
         version before (`workers.recovery.history_from_snapshots`); None otherwise."""
@@ -46,7 +46,7 @@ class Commits:
         return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
                                    core.sent, base=core.sent_base, value=core.sent_hash)
 
-    def whole_floor(self, f: FragState, floor: int) -> dict[int, bytes]:
+    def whole_floor(self, f: FragState, floor: int) -> dict[int, memoryview]:
         """The oldest snapshot kept from now on (`floor`), whole, when it moves (a
         checkpoint): the start of the chain of deltas recovery rebuilds (version → blob;
         empty when not needed, or when the core no longer holds that version — then the
@@ -57,6 +57,13 @@ class Commits:
             return {}
         return {floor: whole_snapshot(self.sh.ctx.keys.run, core.fragment, floor,
                                       core.history[floor])}
+
+    def _floor_made_whole(self, p: int, f: FragState, floor: int) -> None:
+        """Before a checkpoint moves the oldest snapshot kept to `floor`: that snapshot
+        written whole, on its own (the same value: a crash before the checkpoint leaves it
+        whole, which any reader takes), its blob gone before the state's is made."""
+        for v, blob in self.whole_floor(f, floor).items():
+            self.sh.store.put_sent(p, self.sh.cfg.syncer_id, v, blob)
 
     def checkpoint_due(self, f: FragState) -> bool:
         """Whether the round being committed writes the fragment's full state."""
@@ -69,18 +76,19 @@ class Commits:
         version and to the checkpoint's (recovery replays from there)."""
         return max(0, min(f.core.version, ckpt_version) - self.sh.sync.max_staleness)
 
-    def commit(self, p: int, f: FragState, *, snapshot: bytes, record: dict, acks: list[str],
+    def commit(self, p: int, f: FragState, *, snapshot: memoryview, record: dict, acks: list[str],
                merged: dict[str, str], checkpoint: bool) -> bool:
         """Commit the round that made f's current version (it is in `f.recent` already).
         False when the fragment is not this syncer's any more."""
         version = f.core.version
         floor = self._sent_floor(f, version if checkpoint else f.ckpt_version)
         try:
+            self._floor_made_whole(p, f, floor)
             self.sh.store.commit_round(
                 p, self.sh.cfg.syncer_id, state=self.state_blob(f.core) if checkpoint else None,
                 snapshot=snapshot, sent=self.sent_snapshot(f.core), version=version,
-                record=record, ack_ids=acks, extra_sent=self.whole_floor(f, floor),
-                drop_sent_versions=range(f.sent_floor, floor), after=version - 1, merged=merged)
+                record=record, ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor),
+                after=version - 1, merged=merged)
             if checkpoint:
                 f.ckpt_version, f.ckpt_t = version, time.monotonic()
             f.sent_floor = max(f.sent_floor, floor)
@@ -123,10 +131,10 @@ class Commits:
     def checkpoint(self, p: int, f: FragState) -> None:
         floor = self._sent_floor(f, f.core.version)
         try:
+            self._floor_made_whole(p, f, floor)
             self.sh.store.checkpoint(p, self.sh.cfg.syncer_id, state=self.state_blob(f.core),
                                        version=f.core.version,
-                                       drop_sent_versions=range(f.sent_floor, floor),
-                                       extra_sent=self.whole_floor(f, floor))
+                                       drop_sent_versions=range(f.sent_floor, floor))
         except RoundsLost as e:  # a failover lost rounds: re-commit them (a checkpoint too)
             log.error("%s; re-committing", e)
             self.resync()

@@ -67,13 +67,13 @@ class FragState:
     # of recent versions (`keep_snapshot`): enough to re-commit what Redis lost if it restarts
     # from an AOF missing its last second
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
-    snapshots: dict[int, bytes] = field(default_factory=dict)
+    snapshots: dict[int, memoryview] = field(default_factory=dict)
     ckpt_version: int = 0      # the version of the fragment's last checkpoint (full state)
     ckpt_t: float = 0.0        # when it was written (monotonic)
     sent_floor: int = 0        # the oldest `sent:<v>` snapshot Redis may still hold
 
 
-    def keep_snapshot(self, version: int, blob: bytes) -> None:
+    def keep_snapshot(self, version: int, blob: memoryview) -> None:
         """Keep `version`'s packed snapshot, with the newest ``max_staleness + 1`` — except
         under the delta down link: a snapshot is then the fp32 reference the core keeps in
         its history, packed again bit for bit when a re-commit needs it
@@ -83,7 +83,7 @@ class FragState:
         self.snapshots[version] = blob
         self.snapshots.pop(version - self.core.sync_cfg.max_staleness - 1, None)
 
-    def snapshots_since(self, stored: int, run: str) -> dict[int, bytes]:
+    def snapshots_since(self, stored: int, run: str) -> dict[int, memoryview]:
         """The packed snapshots of the versions after `stored` that this syncer can still
         rebuild (a re-commit of rounds Redis lost)."""
         out = {v: b for v, b in self.snapshots.items() if v > stored}
@@ -101,7 +101,7 @@ class FragState:
 
 
 def whole_snapshot(run: str, fragment: int, version: int,
-                   values: Mapping[str, np.ndarray]) -> bytes:
+                   values: Mapping[str, np.ndarray]) -> memoryview:
     """A version's value learners held, as a whole fp32 snapshot (in name order, as
     `FragmentSyncer.snapshot_tensors`: the same bytes and hash as its round's)."""
     t = full_value(values)

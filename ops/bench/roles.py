@@ -6,7 +6,8 @@ launcher (which evaluates the global model every 15 s and at the end), batch 2, 
 demo's fragments (`diloco run`'s base: its embeddings and the rest) and the default codecs, 24
 steps. Every process's peak resident set (``VmHWM``) is
 sampled from ``/proc`` while it runs, and Redis's ``used_memory_peak`` read at the end. The
-slope between the two sizes is each role's bytes per parameter, the intercept its runtime.
+slope between the two sizes is each role's bytes per parameter, the intercept its runtime. A
+third run, the smaller size for 200 steps, gives Redis at its steady state.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pipeline.task import task_of
 SIZES = ((512, 2), (1024, 4))  # 6.5M and 50.7M parameters: 7.8× apart
 QUICK_SIZES = ((128, 2), (384, 2))
 STEPS = 24
+STEADY_STEPS = 200  # ~58 rounds: past S + C + 1 versions and `keep_rounds` per fragment
 
 
 def _role(cmd: str) -> str | None:
@@ -104,6 +106,7 @@ def run_size(d_model: int, n_layers: int, steps: int = STEPS) -> dict:
                 raise RuntimeError(f"diloco run at d_model {d_model}: {err[-2000:]}")
             r = redis.Redis.from_url(server.url)
             redis_peak = int(r.info("memory")["used_memory_peak"])
+            held = redis_by_kind(r)
             r.close()
         finally:
             server.stop()
@@ -116,10 +119,23 @@ def run_size(d_model: int, n_layers: int, steps: int = STEPS) -> dict:
     plan_mem = memory(cfg, Workload(frag, cfg.learners, 1.0, 10.0, 10.0))
     return {"d_model": d_model, "n_layers": n_layers, "params": params,
             "wall_s": round(time.monotonic() - t0, 1), "rounds": summary.get("rounds"),
-            "peak_bytes": {**by_role, "redis": redis_peak},
+            "peak_bytes": {**by_role, "redis": redis_peak}, "redis_at_end": held,
             "plan_bytes": {k: plan_mem[k] for k in ("learner_bytes", "syncer_bytes",
                                                      "redis_bytes")},
             "fragments": list(frag)}
+
+
+def redis_by_kind(r: redis.Redis) -> dict[str, int]:
+    """Redis's ``MEMORY USAGE`` summed by kind of key: the streams of pushes, the snapshots
+    (``sent:<v>``, ``global``), the checkpoints, the rest."""
+    out: dict[str, int] = {}
+    for k in r.scan_iter("*"):
+        key = k.decode(errors="replace")
+        kind = ("sent" if ":sent:" in key else "global" if key.endswith(":global") else
+                "state" if key.endswith(":state") else "frags" if key.endswith(":frags") else
+                "other")
+        out[kind] = out.get(kind, 0) + (r.memory_usage(k) or 0)
+    return out
 
 
 def bench_roles(quick: bool = False) -> dict:
@@ -132,5 +148,9 @@ def bench_roles(quick: bool = False) -> dict:
         fit[role] = {"bytes_per_param": round(slope, 1),
                      "intercept_mb": round((small["peak_bytes"][role]
                                             - slope * small["params"]) / 2**20)}
-    return {"bench": "roles", "runs": runs, "fit": fit, "env": {
+    # the smaller size for longer: Redis holds as many snapshots as it ever will (S + C + 1
+    # versions a fragment) and the entries of `broker.keep_rounds` rounds
+    steady = run_size(*(QUICK_SIZES if quick else SIZES)[0], steps=STEADY_STEPS)
+    steady["redis_peak_per_param"] = round(steady["peak_bytes"]["redis"] / steady["params"], 1)
+    return {"bench": "roles", "runs": runs, "fit": fit, "steady": steady, "env": {
         k: os.environ[k] for k in ("DILOCO_FUSED", "DILOCO_KEEP_FREED_MEMORY") if k in os.environ}}

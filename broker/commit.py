@@ -220,15 +220,18 @@ class FencedState:
                 raise res  # anything but "this round record exists already"
         return f"{int(record['version'])}-0"
 
-    def put_sent(self, p: int, owner: str, version: int, snapshot: bytes | memoryview) -> None:
+    def put_sent(self, p: int, owner: str, version: int, snapshot: bytes | memoryview, *,
+                 retake: bool = False) -> None:
         """Replace ``sent:<version>`` by `snapshot`, fenced by the lease: the same value in
         another form (a delta made whole before a checkpoint makes it the oldest kept).
+        `retake` as :meth:`_fenced_write`'s (before a checkpoint that would retake it).
 
         Raises:
             LeaseLost: another syncer holds the fragment; nothing was written.
         """
         key = self.keys.fragment(p).sent(version)
-        with self._fenced_write(p, owner, {key: snapshot}, "a snapshot") as (pipe, staged):
+        with self._fenced_write(p, owner, {key: snapshot}, "a snapshot",
+                                retake=retake) as (pipe, staged):
             pipe.multi()
             pieces.queue_put(pipe, key, snapshot, staged[key])
             pipe.execute()

@@ -66,6 +66,8 @@ Per-fragment keys:
                                                 before the older of the version and the
                                                 checkpoint); under the delta down link the
                                                 delta as sent, but the oldest kept: whole
+                                                (made so before the checkpoint that makes it
+                                                the oldest, and by a re-commit)
 ``ddl:{<run>/fNNNN}:rounds``          stream    one record per closed round
                                                 (``broker.records.RoundRecord``)
 ``ddl:{<run>/fNNNN}:merged``          hash      ``<learner>`` → JSON of that learner's last

@@ -190,11 +190,12 @@ def snapshots_bytes(cfg: RunConfig, n: int) -> int:
     """The most a fragment of `n` values keeps in ``sent:<v>`` and ``global`` at once: the
     versions from `max_staleness` before the checkpoint to the newest, and the latest value
     whole. Under the delta down link each version but the oldest is kept as the delta sent
-    (`broker.commit`), else each is its whole value as sent."""
+    (`broker.commit`) — and while a checkpoint commits, the new oldest is whole beside the old
+    one — else each is its whole value as sent."""
     s, b, v = cfg.effective_sync(), cfg.broker, value_bytes(cfg, n)
     versions = s.max_staleness + b.checkpoint_rounds + 1
     if s.down_delta:
-        return 2 * v["snapshot"] + (versions - 1) * v["publish_steady"]
+        return 3 * v["snapshot"] + (versions - 2) * v["publish_steady"]
     return (versions + 1) * v["snapshot"]
 
 

@@ -82,7 +82,8 @@ def test_snapshots_kept_as_sent_rebuild_the_history_and_a_forged_delta_is_refuse
                                        value=tensors_hash(held[v]))
     with pytest.raises(DecodeError, match="not a delta"):
         codec.unpack_snapshot(blobs[1])  # a reader that does not rebuild deltas refuses one
-    h = history_from_snapshots(blobs, 2**30)
+    shapes = {k: x.shape for k, x in theta.items()}
+    h = history_from_snapshots(blobs, 2**30, shapes)
     assert list(h) == [0, 1, 2, 3, 4, 5]
     for u, values in h.items():
         assert all(np.array_equal(values[k], held[u][k]) for k in theta), u
@@ -90,11 +91,18 @@ def test_snapshots_kept_as_sent_rebuild_the_history_and_a_forged_delta_is_refuse
     # the chain broken at v2 (its base gone): it starts again at the next whole value
     del blobs[2]
     blobs[4] = codec.pack_snapshot("r", 3, 4, full_value(held[4]))
-    assert list(history_from_snapshots(blobs, 2**30)) == [4, 5]
-    assert history_from_snapshots({1: blobs[1]}, 2**30) is None
+    assert list(history_from_snapshots(blobs, 2**30, shapes)) == [4, 5]
+    assert history_from_snapshots({1: blobs[1]}, 2**30, shapes) is None
     # a delta that does not make the value it names (a forged one: its own SHA-256 right)
     forged = {k: codec.QTensor(q.codec, q.shape, np.roll(q.data, 1), q.scales, q.block)
               for k, q in encode_down(theta, "int4", 64, held[4])[0].items()}
     blobs[5] = codec.pack_snapshot("r", 3, 5, forged, base=4, value=tensors_hash(held[5]))
     with pytest.raises(DecodeError, match="does not make the value"):
-        history_from_snapshots(blobs, 2**30)
+        history_from_snapshots(blobs, 2**30, shapes)
+    # a delta of other tensors or shapes (a broadcast would build an n × n array) is refused
+    # before it is applied
+    for bad in ({"a": theta["a"]}, {"a": theta["a"].reshape(1, -1), "b": theta["b"]}):
+        sent = encode_down(bad, "int4", 64, {k: np.zeros_like(x) for k, x in bad.items()})[0]
+        blobs[5] = codec.pack_snapshot("r", 3, 5, sent, base=4, value=tensors_hash(held[5]))
+        with pytest.raises(DecodeError, match="names and shapes"):
+            history_from_snapshots(blobs, 2**30, shapes)

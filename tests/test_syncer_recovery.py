@@ -574,6 +574,53 @@ def test_a_learner_asking_about_a_push_merged_into_a_version_kept_as_a_delta_get
         ctx.r.close()
 
 
+def _recovered(r, keys, cfg, syncer):
+    from workers import recovery
+    return recovery.recover(r, keys.fragment(P), cfg, syncer.sh.shapes(P),
+                            syncer.sh.ctx.task.is_embedding).core
+
+
+def test_with_max_staleness_0_the_checkpoints_snapshot_is_whole_and_recovers(r, redis_url):
+    """max_staleness 0: a checkpoint's version is the oldest snapshot kept, so it is written
+    whole (as a delta nothing could rebuild it); the rounds after it are deltas."""
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 0},
+                      broker={"block_ms": 50, "checkpoint_rounds": 2, "checkpoint_s": 0.0})
+    keys = store_run(r, "s0", cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, "s0")) as (a, _):
+        a.start()
+        _rounds(r, keys, cfg, a, 3)
+        assert state_version(r, fk) == 2 and committed_version(r, fk) == 3
+        assert _sent_bases(r, fk, (2, 3)) == [-1, 2] and not r.exists(fk.sent(1))
+        _same_state(a.frags[P].core, _recovered(r, keys, cfg, a))
+
+
+def test_a_resync_after_redis_lost_a_checkpoint_makes_the_oldest_snapshot_whole(r, redis_url):
+    """Redis comes back without the round that wrote a checkpoint (and the oldest snapshot made
+    whole before it): the re-commit writes the checkpoint again, and the oldest snapshot whole
+    again — the syncer's own note that it had is not what Redis holds."""
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
+                      broker={"block_ms": 50, "checkpoint_rounds": 3, "checkpoint_s": 0.0})
+    keys = store_run(r, "lost-ckpt", cfg)
+    fk = keys.fragment(P)
+    with syncer_in_process(SyncerConfig(redis_url, "lost-ckpt")) as (a, _):
+        a.start()
+        _rounds(r, keys, cfg, a, 2)
+        before = {k: r.dump(k) for k in (fk.state, fk.sent(0), fk.sent(1), fk.global_)}
+        _rounds(r, keys, cfg, a, 1, base=2)
+        assert state_version(r, fk) == 3 and _sent_bases(r, fk, (1, 2, 3)) == [-1, 1, 2]
+        # an AOF missing its last second: round 3, its checkpoint and sent:1 made whole gone
+        r.xdel(fk.rounds, "3-0")
+        r.execute_command("XSETID", fk.rounds, "2-0")
+        r.delete(fk.sent(3))
+        for k, dump in before.items():
+            r.restore(k, 0, dump, replace=True)
+        assert state_version(r, fk) == 0 and _sent_bases(r, fk, (1,)) == [0]
+        a.commits.resync()
+        assert state_version(r, fk) == 3 and _sent_bases(r, fk, (1, 2, 3)) == [-1, 1, 2]
+        _same_state(a.frags[P].core, _recovered(r, keys, cfg, a))
+
+
 @pytest.mark.parametrize("piece_bytes", [64 * 2**20, 2048], ids=["whole", "in pieces"])
 def test_a_successor_replays_the_rounds_since_the_checkpoint_bit_for_bit(r, redis_url,
                                                                          piece_bytes):

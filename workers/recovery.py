@@ -191,7 +191,7 @@ def restore_checkpoint(state: dict, cfg: RunConfig, shapes: Mapping[str, tuple[i
     Raises:
         DecodeError: A snapshot is malformed.
     """
-    history = history_from_snapshots(sent, max_bytes)
+    history = history_from_snapshots(sent, max_bytes, shapes)
     if history is None or int(state["version"]) not in history:
         raise DecodeError(f"the snapshot of the checkpoint's version {state['version']} is "
                           f"missing")
@@ -200,8 +200,8 @@ def restore_checkpoint(state: dict, cfg: RunConfig, shapes: Mapping[str, tuple[i
                                           fragment_prior(cfg, shapes))
 
 
-def history_from_snapshots(sent: Mapping[int, bytes | bytearray],
-                           max_bytes: int) -> History | None:
+def history_from_snapshots(sent: Mapping[int, bytes | bytearray], max_bytes: int,
+                           shapes: Mapping[str, tuple[int, ...]]) -> History | None:
     """The values of consecutive versions (version → ``sent:<v>`` blob) as learners held
     them: a whole snapshot as it is, a delta (the delta down link keeps each version but the
     oldest as it was sent) applied to the version before and checked against the hash of the
@@ -210,14 +210,18 @@ def history_from_snapshots(sent: Mapping[int, bytes | bytearray],
     unanchored. None when no version is left.
 
     Raises:
-        DecodeError: A snapshot is malformed, names another version, or a delta does not make
-            the value its header names.
+        DecodeError: A snapshot is malformed, names another version or other tensors than the
+            fragment's `shapes`, or a delta does not make the value its header names.
     """
     history: History | None = None
+    want = {k: tuple(s) for k, s in shapes.items()}
     for v in sorted(sent):
         header, tensors = codec.unpack_snapshot(sent[v], max_bytes=max_bytes, delta_ok=True)
         if header.version != v:
             raise DecodeError(f"snapshot sent:{v} holds version {header.version}")
+        if {k: tuple(q.shape) for k, q in tensors.items()} != want:
+            raise DecodeError(f"snapshot sent:{v}: tensors do not match the fragment's names "
+                              f"and shapes")
         if header.base < 0:
             values = {k: quant.dequantize(q) for k, q in tensors.items()}
             if history is None:

@@ -46,24 +46,26 @@ class Commits:
         return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
                                    core.sent, base=core.sent_base, value=core.sent_hash)
 
-    def whole_floor(self, f: FragState, floor: int) -> dict[int, memoryview]:
+    def whole_floor(self, f: FragState, floor: int, *, moved: bool = True
+                    ) -> dict[int, memoryview]:
         """The oldest snapshot kept from now on (`floor`), whole, when it moves (a
-        checkpoint): the start of the chain of deltas recovery rebuilds (version → blob;
-        empty when not needed, or when the core no longer holds that version — then the
-        checkpoint that moved the floor there made it whole)."""
+        checkpoint; `moved` False: whether or not, as after Redis lost commits): the start of
+        the chain of deltas recovery rebuilds (version → blob; empty when not needed, or when
+        the core no longer holds that version — then the checkpoint that moved the floor
+        there made it whole)."""
         core = f.core
-        if (not core.sync_cfg.down_delta or floor <= max(0, f.sent_floor)
-                or floor == core.version or floor not in core.history):
+        if (not core.sync_cfg.down_delta or floor <= 0 or (moved and floor <= f.sent_floor)
+                or floor not in core.history):
             return {}
         return {floor: whole_snapshot(self.sh.ctx.keys.run, core.fragment, floor,
                                       core.history[floor])}
 
-    def _floor_made_whole(self, p: int, f: FragState, floor: int) -> None:
+    def _floor_made_whole(self, p: int, f: FragState, floor: int, *, retake: bool) -> None:
         """Before a checkpoint moves the oldest snapshot kept to `floor`: that snapshot
         written whole, on its own (the same value: a crash before the checkpoint leaves it
         whole, which any reader takes), its blob gone before the state's is made."""
         for v, blob in self.whole_floor(f, floor).items():
-            self.sh.store.put_sent(p, self.sh.cfg.syncer_id, v, blob)
+            self.sh.store.put_sent(p, self.sh.cfg.syncer_id, v, blob, retake=retake)
 
     def checkpoint_due(self, f: FragState) -> bool:
         """Whether the round being committed writes the fragment's full state."""
@@ -83,10 +85,12 @@ class Commits:
         version = f.core.version
         floor = self._sent_floor(f, version if checkpoint else f.ckpt_version)
         try:
-            self._floor_made_whole(p, f, floor)
+            if floor < version:  # (max_staleness 0: the floor is this version, sent whole)
+                self._floor_made_whole(p, f, floor, retake=False)
             self.sh.store.commit_round(
                 p, self.sh.cfg.syncer_id, state=self.state_blob(f.core) if checkpoint else None,
-                snapshot=snapshot, sent=self.sent_snapshot(f.core), version=version,
+                snapshot=snapshot, version=version,
+                sent=self.sent_snapshot(f.core) if floor < version else None,
                 record=record, ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor),
                 after=version - 1, merged=merged)
             if checkpoint:
@@ -131,7 +135,7 @@ class Commits:
     def checkpoint(self, p: int, f: FragState) -> None:
         floor = self._sent_floor(f, f.core.version)
         try:
-            self._floor_made_whole(p, f, floor)
+            self._floor_made_whole(p, f, floor, retake=True)
             self.sh.store.checkpoint(p, self.sh.cfg.syncer_id, state=self.state_blob(f.core),
                                        version=f.core.version,
                                        drop_sent_versions=range(f.sent_floor, floor))
@@ -221,7 +225,9 @@ class Commits:
                 sent = f.snapshots_since(stored, sh.ctx.keys.run)
             sent = {v: blob for v, blob in sent.items() if v > stored}
             # the state written here moves the oldest snapshot recovery reads: made whole
-            sent.update(self.whole_floor(f, f.core.version - sh.sync.max_staleness))
+            # (whatever this syncer wrote before: Redis may have lost it)
+            sent.update(self.whole_floor(f, f.core.version - sh.sync.max_staleness,
+                                         moved=False))
             # retaken if it expired during the write (a large fragment on a starved host)
             # and nobody took it since: this writes the state with the rounds
             sh.store.commit_round(

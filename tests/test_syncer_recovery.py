@@ -580,15 +580,21 @@ def _recovered(r, keys, cfg, syncer):
                             syncer.sh.ctx.task.is_embedding).core
 
 
+@contextlib.contextmanager
+def _checkpointing(r, redis_url, run, *, staleness, every):
+    """A syncer (in this process) of a run that checkpoints every `every` rounds."""
+    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": staleness},
+                      broker={"block_ms": 50, "checkpoint_rounds": every, "checkpoint_s": 0.0})
+    keys = store_run(r, run, cfg)
+    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
+        a.start()
+        yield a, keys, cfg, keys.fragment(P)
+
+
 def test_with_max_staleness_0_the_checkpoints_snapshot_is_whole_and_recovers(r, redis_url):
     """max_staleness 0: a checkpoint's version is the oldest snapshot kept, so it is written
     whole (as a delta nothing could rebuild it); the rounds after it are deltas."""
-    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 0},
-                      broker={"block_ms": 50, "checkpoint_rounds": 2, "checkpoint_s": 0.0})
-    keys = store_run(r, "s0", cfg)
-    fk = keys.fragment(P)
-    with syncer_in_process(SyncerConfig(redis_url, "s0")) as (a, _):
-        a.start()
+    with _checkpointing(r, redis_url, "s0", staleness=0, every=2) as (a, keys, cfg, fk):
         _rounds(r, keys, cfg, a, 3)
         assert state_version(r, fk) == 2 and committed_version(r, fk) == 3
         assert _sent_bases(r, fk, (2, 3)) == [-1, 2] and not r.exists(fk.sent(1))
@@ -599,12 +605,7 @@ def test_a_resync_after_redis_lost_a_checkpoint_makes_the_oldest_snapshot_whole(
     """Redis comes back without the round that wrote a checkpoint (and the oldest snapshot made
     whole before it): the re-commit writes the checkpoint again, and the oldest snapshot whole
     again — the syncer's own note that it had is not what Redis holds."""
-    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
-                      broker={"block_ms": 50, "checkpoint_rounds": 3, "checkpoint_s": 0.0})
-    keys = store_run(r, "lost-ckpt", cfg)
-    fk = keys.fragment(P)
-    with syncer_in_process(SyncerConfig(redis_url, "lost-ckpt")) as (a, _):
-        a.start()
+    with _checkpointing(r, redis_url, "lost-ckpt", staleness=2, every=3) as (a, keys, cfg, fk):
         _rounds(r, keys, cfg, a, 2)
         before = {k: r.dump(k) for k in (fk.state, fk.sent(0), fk.sent(1), fk.global_)}
         _rounds(r, keys, cfg, a, 1, base=2)

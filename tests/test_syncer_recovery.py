@@ -547,13 +547,8 @@ def test_a_learner_asking_about_a_push_merged_into_a_version_kept_as_a_delta_get
     from workers.island_lookup import MergedLookup
     from workers.learner_net import LearnerNet
 
-    cfg = tiny_config(sync={"quorum": 2, "grace_max_s": 0.0, "max_staleness": 2},
-                      broker={"block_ms": 50, "checkpoint_rounds": 100, "checkpoint_s": 0.0})
     run = "asks"
-    keys = store_run(r, run, cfg)
-    fk = keys.fragment(P)
-    with syncer_in_process(SyncerConfig(redis_url, run)) as (a, _):
-        a.start()
+    with _checkpointing(r, redis_url, run, staleness=2, every=100) as (a, keys, cfg, fk):
         _rounds(r, keys, cfg, a, 2)
         asked = registry.merged(r, keys, "L0", P)
         raw = r.hget(fk.merged, "L0")

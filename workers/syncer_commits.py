@@ -17,7 +17,7 @@ from broker.state import pack_state, unpack_state
 from pipeline import capacity
 from pipeline.syncer import FragmentSyncer
 from workers import recovery
-from workers.syncer_state import FragState, SyncerShared, whole_snapshot
+from workers.syncer_state import FragState, SyncerShared, delta_snapshot, whole_snapshot
 
 log = logging.getLogger("diloco.syncer")
 
@@ -43,8 +43,8 @@ class Commits:
         version before (`workers.recovery.history_from_snapshots`); None otherwise."""
         if core.sent_base < 0:
             return None
-        return codec.pack_snapshot(self.sh.ctx.keys.run, core.fragment, core.version,
-                                   core.sent, base=core.sent_base, value=core.sent_hash)
+        return delta_snapshot(self.sh.ctx.keys.run, core.fragment, core.version, core.sent,
+                              core.sent_hash)
 
     def whole_floor(self, f: FragState, floor: int, *, moved: bool = True
                     ) -> dict[int, memoryview]:
@@ -84,13 +84,14 @@ class Commits:
         False when the fragment is not this syncer's any more."""
         version = f.core.version
         floor = self._sent_floor(f, version if checkpoint else f.ckpt_version)
+        as_delta = floor < version  # (max_staleness 0: the floor is this version, sent whole)
         try:
-            if floor < version:  # (max_staleness 0: the floor is this version, sent whole)
+            if as_delta:
                 self._floor_made_whole(p, f, floor, retake=False)
             self.sh.store.commit_round(
                 p, self.sh.cfg.syncer_id, state=self.state_blob(f.core) if checkpoint else None,
                 snapshot=snapshot, version=version,
-                sent=self.sent_snapshot(f.core) if floor < version else None,
+                sent=self.sent_snapshot(f.core) if as_delta else None,
                 record=record, ack_ids=acks, drop_sent_versions=range(f.sent_floor, floor),
                 after=version - 1, merged=merged)
             if checkpoint:

@@ -24,7 +24,7 @@ from broker.streams import Entry, FragmentStreams
 from pipeline.contribution import PushHeader
 from pipeline.downlink import full_value
 from pipeline.fragments import fragment_sizes
-from pipeline.quant import tensors_hash
+from pipeline.quant import QTensor, tensors_hash
 from pipeline.syncer import FragmentSyncer
 from workers.common import RunContext
 from workers.scalars import ScalarLog
@@ -95,9 +95,16 @@ class FragState:
                     continue
                 delta = h.delta(v) if v - 1 >= stored else None
                 out[v] = (whole_snapshot(run, self.core.fragment, v, values) if delta is None
-                          else codec.pack_snapshot(run, self.core.fragment, v, delta, base=v - 1,
-                                                   value=tensors_hash(values)))
+                          else delta_snapshot(run, self.core.fragment, v, delta,
+                                              tensors_hash(values)))
         return dict(sorted(out.items()))
+
+
+def delta_snapshot(run: str, fragment: int, version: int,
+                   delta: Mapping[str, QTensor], value: str) -> memoryview:
+    """A version kept as the delta against the version before that it went out as (`value`:
+    the SHA-256 of the value it makes), as ``sent:<version>`` holds it."""
+    return codec.pack_snapshot(run, fragment, version, delta, base=version - 1, value=value)
 
 
 def whole_snapshot(run: str, fragment: int, version: int,

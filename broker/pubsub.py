@@ -33,7 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from broker import codec
+from broker import attest, codec
 from broker.errors import DecodeError
 
 log = logging.getLogger("diloco.pubsub")
@@ -246,15 +246,18 @@ class Subscriber:
                             "(key %s) receives no merged value from it over ZeroMQ and falls "
                             "back to Redis snapshots", endpoint, why, self._keys["mine"])
 
-    def recv(self, timeout_ms: int) -> tuple[codec.GlobalHeader, dict] | None:
-        """One decoded message, or None on timeout. Malformed messages are counted, skipped."""
+    def recv(self, timeout_ms: int
+             ) -> tuple[codec.GlobalHeader, dict] | attest.Attestation | None:
+        """One decoded message (a merged value, or a syncer's attestation: `broker.attest`), or
+        None on timeout. Malformed messages are counted, skipped."""
         self.check_handshakes()
         if not self._poller.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(copy=False)
         self.received_bytes += sum(len(f.buffer) for f in frames)
         try:
-            return codec.parse_global_frames(frames, max_bytes=self.max_bytes)
+            return (attest.parse(frames)
+                    or codec.parse_global_frames(frames, max_bytes=self.max_bytes))
         except DecodeError as e:
             self.decode_errors += 1
             self.last_error = str(e)[:500]

@@ -497,6 +497,66 @@ def test_curve_only_allowed_learners_read_and_only_the_pinned_syncer_is_heard(tm
         assert key_fingerprint(allowed_key) not in refused[0]
 
 
+def test_a_joining_learner_refuses_a_snapshot_the_syncers_did_not_attest(tmp_path, redis_url):
+    """With CURVE, a stolen Redis credential that may write the run's values (the syncer's, the
+    operator's) cannot feed a joining learner a forged model: a real syncer attests each
+    fragment's value over ZeroMQ (`broker.attest`), and the learner refuses the forged
+    snapshot — a finite value of the right run, fragment, names and shapes, whose own hash
+    checks — until the real one is back, then joins from that and trains to the end."""
+    import numpy as np
+    from test_e2e import write_config
+
+    from broker import codec, pieces
+    from pipeline import quant
+
+    kdir, url_file = tmp_path / "keys", tmp_path / "redis.url"
+    url_file.write_text(redis_url)
+    assert _cli("keys", "--out", str(kdir), "--learners", "L0").returncode == 0
+    cfg_path = write_config(tmp_path, learners=1, steps=30)
+    init = _cli("run", "--init-only", "--config", cfg_path, "--run", "att",
+                "--redis-url-file", str(url_file))
+    assert init.returncode == 0, init.stderr[-2000:]
+    r, fk = connect(redis_url), RunKeys("att").fragment(0)
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("syncer", "L0")}
+    cmds = {"syncer": [sys.executable, "-m", "workers.syncer", "--redis-url-file", str(url_file),
+                       "--run", "att", "--curve-secret", str(kdir / "syncer.key_secret"),
+                       "--curve-allow", str(kdir / "allow")],
+            "L0": [sys.executable, "-m", "workers.learner", "--redis-url-file", str(url_file),
+                   "--run", "att", "--id", "L0", "--curve-secret",
+                   str(kdir / "learners" / "L0.key_secret"), "--curve-server-key",
+                   str(kdir / "syncer.key")]}
+    procs = {"syncer": subprocess.Popen(cmds["syncer"], cwd=REPO, stdout=logs["syncer"],
+                                        stderr=subprocess.STDOUT)}
+    try:
+        deadline = time.monotonic() + 120
+        while (real := pieces.read(r, fk.global_, max_bytes=2**30)) is None:
+            assert time.monotonic() < deadline and procs["syncer"].poll() is None, \
+                (tmp_path / "syncer.log").read_text()[-3000:]
+            time.sleep(0.1)
+        header, tensors = codec.unpack_snapshot(real)
+        forged = codec.pack_snapshot("att", 0, header.version, {
+            k: quant.quantize(quant.dequantize(q) + np.float32(0.5), q.codec)
+            for k, q in tensors.items()})
+        codec.unpack_snapshot(forged)  # a snapshot every check but the syncers' word passes
+        r.set(fk.global_, bytes(forged))
+        procs["L0"] = subprocess.Popen(cmds["L0"], cwd=REPO, stdout=logs["L0"],
+                                       stderr=subprocess.STDOUT)
+        refused = "is not the value the syncers attested"
+        while refused not in (tmp_path / "L0.log").read_text():
+            assert time.monotonic() < deadline and procs["L0"].poll() is None, \
+                (tmp_path / "L0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        restored = time.time()
+        r.set(fk.global_, bytes(real))  # the real value back: the learner joins from it
+        for n in ("L0", "syncer"):
+            assert procs[n].wait(180) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
+    finally:
+        end_processes(procs, logs)
+    joins = [f for _, f in r.xrange(RunKeys("att").events) if f[b"kind"] == b"join"]
+    assert len(joins) == 1 and float(joins[0][b"t"]) > restored, joins
+    r.close()
+
+
 def test_signatures_cover_every_field_and_survive_the_trip_through_redis(tmp_path):
     import numpy as np
     from helpers_broker import contribution_fields

@@ -18,14 +18,15 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import redis
 
-from broker import codec, pieces, registry
+from broker import attest, codec, pieces, registry
 from broker.archive import fsync_dir
 from broker.connection import URL_ENV, connect, redact, resolve_tls_files, url_from_env
-from broker.errors import DecodeError
+from broker.errors import BrokerError, DecodeError
 from broker.keys import FragmentKeys, RunKeys
 from pipeline import config as cfgmod
 from pipeline import data, quant
@@ -233,10 +234,15 @@ def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
     return {k: quant.dequantize(q) for k, q in tensors.items()}
 
 
+class Snapshot(NamedTuple):
+    version: int
+    values: dict[str, np.ndarray]
+    sha256: str  # of its tensors (`pipeline.syncer.FragmentSyncer.sent_hash`)
+
+
 def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
-                  shapes: Mapping[str, tuple[int, ...]]
-                  ) -> tuple[int, dict[str, np.ndarray]] | None:
-    """(version, decoded values) of the fragment's latest published value, or None.
+                  shapes: Mapping[str, tuple[int, ...]]) -> Snapshot | None:
+    """The fragment's latest published value (decoded), or None.
 
     Raises:
         DecodeError: A snapshot that does not decode, one of another fragment or run, one
@@ -257,7 +263,41 @@ def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
     values = decode_values(tensors)
     if not all(np.isfinite(v).all() for v in values.values()):
         raise DecodeError(f"the snapshot of fragment {fk.fragment} holds non-finite values")
-    return header.version, values
+    return Snapshot(header.version, values, header.sha256)
+
+
+def join_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
+                  shapes: Mapping[str, tuple[int, ...]], attested: attest.Attestations,
+                  deadline: float) -> Snapshot:
+    """The fragment's value to join from: read until there is one (its syncer writes it when
+    it starts) and, with CURVE, until its hash is the one the syncers attested over ZeroMQ
+    for its version (`broker.attest`; a forged one is logged, once a version, and read again).
+
+    Raises:
+        BrokerError: None by `deadline` (monotonic), saying why.
+        DecodeError: As `read_snapshot`.
+    """
+    forged = -1
+    while True:
+        snap = read_snapshot(r, fk, max_bytes, shapes)
+        verdict = None if snap is None else attested.wait(
+            fk.fragment, snap.version, snap.sha256, min(2 * attest.ATTEST_S,
+                                                         max(0.0, deadline - time.monotonic())))
+        if verdict == attest.OK:
+            return snap
+        if verdict == attest.FORGED and snap.version != forged:
+            forged = snap.version
+            log.error("fragment %d: %s; reading it again (who else may write the run's values "
+                      "in Redis?)", fk.fragment, attest.refusal(snap.version))
+        if time.monotonic() > deadline:
+            raise BrokerError(f"fragment {fk.fragment} has no global value in Redis; is a "
+                              f"syncer running for run {fk.run!r}?" if snap is None else
+                              f"fragment {fk.fragment}: {attest.refusal(snap.version)}"
+                              if verdict == attest.FORGED else
+                              f"fragment {fk.fragment}: no syncer attested its snapshot (version "
+                              f"{snap.version}) over ZeroMQ: is the syncer serving it running "
+                              f"with --curve-secret, and reachable?")
+        time.sleep(0.1)
 
 
 def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,

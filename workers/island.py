@@ -55,9 +55,9 @@ from pipeline.contribution import poisoned
 from pipeline.learner import LearnerCore, Push
 from workers.common import (
     RunContext,
+    join_snapshot,
     open_run,
     process_age_s,
-    read_snapshot,
 )
 from workers.island_checkpoint import Checkpoints, Joined
 from workers.island_config import IslandConfig, finite_or_none, shard_of
@@ -374,16 +374,11 @@ class Island:
         limit = self.run_cfg.broker.max_payload_bytes
         shapes = [{n: self.ctx.shapes[n] for n in names} for names in self.ctx.fragments]
         for p in range(len(self.ctx.fragments)):
-            snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit, shapes[p])
-            while snap is None:
-                if time.monotonic() > deadline:
-                    raise BrokerError(f"fragment {p} has no global value in Redis; is a syncer "
-                                      f"running for run {self.ctx.keys.run!r}?")
-                time.sleep(0.1)
-                snap = read_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit, shapes[p])
-            versions.append(snap[0])
-            values.update(snap[1])
-            self.net.joined_at(p, snap[0], snap[1])
+            snap = join_snapshot(self.ctx.r, self.ctx.keys.fragment(p), limit, shapes[p],
+                                 self.net.attested, deadline)
+            versions.append(snap.version)
+            values.update(snap.values)
+            self.net.joined_at(p, snap.version, snap.values)
         self._joined = (versions, values)
         self.core = self._new_core(self._joined)
         self._params = self._place({k: values[k] for k in self.ctx.shapes})

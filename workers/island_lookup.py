@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import redis
 
-from broker import codec, pieces, registry
+from broker import attest, codec, pieces, registry
 from broker.connection import OUTAGE, quick
 from broker.errors import DecodeError
 from pipeline.learner_questions import DEFER, Found
@@ -78,8 +78,9 @@ class MergedLookup:
             blob = pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
             header, tensors = (None, {}) if blob is None else codec.unpack_snapshot(
                 blob, max_bytes=limit, delta_ok=True)
-            if header is None or header.base >= 0:  # gone, or kept as the delta sent: the
-                # latest value (whole) holds the push too
+            if header is None or header.base >= 0 or self.net.attested.required:
+                # gone, kept as the delta sent, or with CURVE (a value the syncers attest is
+                # the latest): the latest value (whole) holds the push too
                 blob = pieces.read(r, fk.global_, max_bytes=limit, what="snapshot")
                 if blob is None:
                     return None
@@ -92,6 +93,12 @@ class MergedLookup:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing all its progress again", self.id, key[1], p, e)
             return None
+        verdict = self.net.attested.check(p, header.version, header.sha256)
+        if verdict != attest.OK:  # with CURVE: not attested (yet), or forged
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s)",
+                        self.id, key[1], p, attest.refusal(header.version)
+                        if verdict == attest.FORGED else "its snapshot not attested yet")
+            return None if verdict == attest.FORGED else DEFER
         problem = self.net.check_value(header, tensors)
         if problem or header.fragment != p or header.version < rec.version:
             log.warning("%s: the snapshot of fragment %d is not usable (%s); pushing all "

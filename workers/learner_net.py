@@ -28,7 +28,7 @@ import numpy as np
 import redis
 import zmq
 
-from broker import codec, registry, signing
+from broker import attest, codec, registry, signing
 from broker.connection import OUTAGE
 from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
@@ -101,6 +101,10 @@ class LearnerNet(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self.serve_lookups: Callable[[], None] | None = None
         self.snapshot_requests: queue.Queue = queue.Queue()
+        # with CURVE, what the syncers attested (`broker.attest`): a snapshot read from Redis
+        # is taken only when it is that; fragment → when to read a refused one again
+        self.attested = attest.Attestations(ctx.keys.run, len(ctx.fragments), curve is not None)
+        self._snapshot_again: dict[int, float] = {}
         self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
         self.redis_down = False  # Redis failed this thread's last call (and no call since)
         self.stats = NetStats()
@@ -317,12 +321,15 @@ class LearnerNet(threading.Thread):
             self._acked(p, new_id, fields, repush=True)
 
     def _serve_snapshots(self) -> None:
-        wanted = set()
+        wanted, now = set(), time.monotonic()
         while True:
             try:
                 wanted.add(self.snapshot_requests.get_nowait())
             except queue.Empty:
                 break
+        for p in [p for p, at in self._snapshot_again.items() if at <= now]:
+            del self._snapshot_again[p]  # a snapshot refused (`_attested`), read again
+            wanted.add(p)
         for p in sorted(wanted):
             try:
                 blob = self.streams.read_global(p, self.bcfg.max_payload_bytes)
@@ -335,7 +342,18 @@ class LearnerNet(threading.Thread):
             except DecodeError as e:
                 self._reject(p, f"malformed snapshot: {e}")
                 continue
-            self._deliver(header, tensors)
+            if self._attested(header, now):
+                self._deliver(header, tensors)
+
+    def _attested(self, header, now: float) -> bool:
+        """Whether a snapshot read from Redis may be taken: without CURVE, yes; with it, once
+        its hash is the one the syncers attested for its version (else it is read again)."""
+        verdict = self.attested.check(header.fragment, header.version, header.sha256)
+        if verdict == attest.FORGED:
+            self._reject(header.fragment, attest.refusal(header.version))
+        if verdict != attest.OK:
+            self._snapshot_again[header.fragment] = now + attest.READ_AGAIN_S[verdict]
+        return verdict == attest.OK
 
     def _merged_push(self, p: int) -> MergeRecord | str | None:
         """This learner's last push of fragment p that a round merged (base version, step,
@@ -380,7 +398,12 @@ class LearnerNet(threading.Thread):
             self._reject(None, f"malformed merged value: {self.sub.last_error}")
         if msg is None:
             return
+        if isinstance(msg, attest.Attestation):
+            return self.attested.note(msg.run, msg.fragment, msg.version, msg.sha256)
         header, tensors = msg
+        # a published value is the syncers' word on its version's hash, as an attestation is
+        self.attested.note(header.run, header.fragment, header.version,
+                           header.value or header.sha256)
         last = self._last_version.get(header.fragment)
         if last is not None and header.version > last + 1:
             # A missed message: the new one carries the whole value, so nothing is lost, but

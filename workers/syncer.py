@@ -25,7 +25,7 @@ import time
 import redis
 import zmq
 
-from broker import registry
+from broker import attest, registry
 from broker.commit import LeaseLost
 from broker.connection import OUTAGE, value_limits
 from broker.pubsub import Publisher
@@ -85,6 +85,7 @@ class Syncer:
         self.owner = Ownership(sh, self.intake, self.rounds, self.commits)
         self._next_live = 0.0
         self._next_lease = 0.0
+        self._next_attest = 0.0
 
     @property
     def live(self) -> frozenset[str]:
@@ -117,7 +118,8 @@ class Syncer:
 
     def _refresh(self) -> None:
         """The learners (live, declared tokens per step, step time) every quarter second or
-        half a heartbeat; the leases every lease period / 3."""
+        half a heartbeat; the leases every lease period / 3; with CURVE, each fragment's value
+        attested every `attest.ATTEST_S`."""
         now, sh = time.monotonic(), self.sh
         if now >= self._next_live:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
@@ -135,6 +137,11 @@ class Syncer:
             if times:
                 sh.step_time_s = min(times)
         self._renew_leases()
+        if self.cfg.curve is not None and now >= self._next_attest:
+            self._next_attest = now + attest.ATTEST_S
+            for p in self.owned:
+                if p in self.frags:
+                    self.rounds.attest(p, self.frags[p].core)
 
     def _renew_leases(self) -> None:
         """The leases renewed when a lease period / 3 has passed since the last time (also

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from broker import codec
+from broker import attest, codec
 from broker.records import Drop, Included, Merged, RoundRecord
 from pipeline.syncer import FINAL_FLUSH, FragmentSyncer, RoundRefused, RoundResult
 from workers.syncer_commits import Commits
@@ -166,3 +166,9 @@ class Rounds:
             frames = codec.global_frames(run, p, v, core.snapshot_tensors, merged=pushes,
                                          sha256=core.sent_hash)
         self.sh.pub.publish(frames)
+
+    def attest(self, p: int, core: FragmentSyncer) -> None:
+        """Say over ZeroMQ which value the fragment's snapshot holds now (`broker.attest`):
+        with CURVE, a learner takes a snapshot from Redis only once a syncer said so."""
+        self.sh.pub.publish(attest.frames(self.sh.ctx.keys.run, p, core.version,
+                                          core.sent_hash))

@@ -178,6 +178,54 @@ def test_a_learner_holds_a_delta_until_it_has_its_base_and_checks_every_value(re
         zctx.term()
 
 
+def test_with_curve_a_repairing_learner_takes_only_the_snapshot_the_syncers_attested(
+        redis_url, tmp_path):
+    """A learner repairing a gap reads the fragment's snapshot from Redis: with a pinned
+    syncer key it takes it only once its hash is the one the syncers attested over ZeroMQ
+    (`broker.attest`). A forged snapshot (finite, of the run's fragment and shapes, its own
+    hash right) is refused with its reason and read again later; the real one is taken."""
+    import zmq
+    import zmq.auth
+
+    from broker.pubsub import CurveClient
+    from workers.learner_net import LearnerNet
+
+    for name in ("syncer", "L0"):
+        zmq.auth.create_certificates(str(tmp_path), name)
+    r = connect(redis_url)
+    store_run(r, "att", tiny_config(sync={"down_delta": True, "codec_down": "int4"}))
+    ctx = open_run(redis_url, "att", wait_s=0)
+    p, fk = 0, ctx.keys.fragment(0)
+    shapes = {n: tuple(ctx.shapes[n]) for n in ctx.fragments[p]}
+    s = FragmentSyncer(p, _theta(shapes), OuterConfig(), DELTA, is_embedding=is_embedding)
+    _round(s, 0)
+    real = bytes(codec.pack_snapshot("att", p, s.version, s.snapshot_tensors))
+    forged = bytes(codec.pack_snapshot("att", p, s.version, {
+        k: quant.quantize(v + np.float32(0.5), "fp32") for k, v in s.sent_values.items()}))
+    zctx = zmq.Context()
+    net = LearnerNet(ctx, "L0", zctx, curve=CurveClient(str(tmp_path / "L0.key_secret"),
+                                                        str(tmp_path / "syncer.key")))
+    try:
+        r.set(fk.global_, forged)
+        net.request_snapshot(p)
+        net._serve_snapshots()  # nothing attested yet: not taken, read again later
+        assert net.inbox.empty() and net.stats.rejected == 0 and p in net._snapshot_again
+        net.attested.note("att", p, s.version, s.sent_hash)  # the syncer's word, heard
+        net._snapshot_again[p] = 0.0
+        net._serve_snapshots()
+        assert net.inbox.empty() and net.stats.rejected == 1  # forged: refused
+        assert net._snapshot_again[p] > time.monotonic() + 4.0
+        r.set(fk.global_, real)
+        net._snapshot_again[p] = 0.0
+        net._serve_snapshots()
+        got = net.inbox.get_nowait()
+        assert got[1] == s.version and quant.tensors_hash(got[2]) == s.sent_hash
+        assert not net._snapshot_again and net.stats.rejected == 1
+    finally:
+        net.sub.close()
+        zctx.term()
+
+
 def test_ending_the_zeromq_context_under_a_running_network_thread_does_not_hang(redis_url):
     """A learner's close() stops waiting for its network thread after a few seconds (a Redis
     call over a slow link can take longer) and ends the ZeroMQ context: the thread must

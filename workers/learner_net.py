@@ -328,7 +328,7 @@ class LearnerNet(threading.Thread):
             except queue.Empty:
                 break
         for p in [p for p, at in self._snapshot_again.items() if at <= now]:
-            del self._snapshot_again[p]  # a snapshot refused (`_attested`), read again
+            del self._snapshot_again[p]  # a snapshot refused (below), read again
             wanted.add(p)
         for p in sorted(wanted):
             try:
@@ -342,18 +342,14 @@ class LearnerNet(threading.Thread):
             except DecodeError as e:
                 self._reject(p, f"malformed snapshot: {e}")
                 continue
-            if self._attested(header, now):
+            # with CURVE, taken once its hash is the one the syncers attested (else read again)
+            verdict = self.attested.check(p, header.version, header.sha256)
+            if verdict == attest.OK:
                 self._deliver(header, tensors)
-
-    def _attested(self, header, now: float) -> bool:
-        """Whether a snapshot read from Redis may be taken: without CURVE, yes; with it, once
-        its hash is the one the syncers attested for its version (else it is read again)."""
-        verdict = self.attested.check(header.fragment, header.version, header.sha256)
-        if verdict == attest.FORGED:
-            self._reject(header.fragment, attest.refusal(header.version))
-        if verdict != attest.OK:
-            self._snapshot_again[header.fragment] = now + attest.READ_AGAIN_S[verdict]
-        return verdict == attest.OK
+                continue
+            self._snapshot_again[p] = now + attest.READ_AGAIN_S[verdict]
+            if verdict == attest.FORGED:
+                self._reject(p, attest.refusal(header.version))
 
     def _merged_push(self, p: int) -> MergeRecord | str | None:
         """This learner's last push of fragment p that a round merged (base version, step,

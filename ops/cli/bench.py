@@ -1,5 +1,5 @@
-"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|roles|latency|recovery|
-cluster|security|step|step-loop|step-flags|step-matrix|accelerator|s1|s2|poison|lab`:
+"""`diloco bench quality|overlap|overlap-library|islands|pipeline|memory|roles|large|latency|
+recovery|cluster|security|step|step-loop|step-flags|step-matrix|accelerator|s1|s2|poison|lab`:
 the benchmarks' command line.
 
 The benchmarks (`ops.bench`) write their results into ``--out`` and return them; this module
@@ -17,6 +17,7 @@ from ops.bench import (
     accelerator,
     islands,
     lab,
+    large,
     overlap,
     pipeline,
     quality,
@@ -38,6 +39,9 @@ _PIPELINE = (("overlap", overlap.bench_overlap, "learner step rate, syncing on Ã
              ("memory", pipeline.bench_memory, "syncer peak RSS, 4 vs 64 pushers"),
              ("roles", roles.bench_roles,
               "peak memory of each role of a real run, at 6.5M and 50.7M parameters"),
+             ("large", large.bench_large,
+              "the largest model this host holds end to end: 2 learners, a syncer taken "
+              "over by a standby, replay, export, eval"),
              ("latency", pipeline.bench_latency, "round latency p50/p99, 4 MB fragments"),
              ("cluster", pipeline.bench_cluster,
               "one redis-server vs a local Redis Cluster, the same syncer work"),

@@ -114,6 +114,9 @@ class CurveClient:
         return zmq.auth.load_certificate(self.server_key_file)[0]
 
 
+CLOSE_LINGER_MS = 2000  # a closing PUB socket's time to send what it queued
+
+
 class Publisher:
     """The syncer's PUB socket.
 
@@ -164,7 +167,12 @@ class Publisher:
         return n
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        """Close the socket, sending what is still queued for up to `CLOSE_LINGER_MS` (the
+        final values a syncer publishes just before it exits; and with no linger, libzmq
+        4.3.5 aborts the process when a peer disconnects while a message is half sent —
+        zeromq/libzmq#3442, seen as ``Resource temporarily unavailable
+        (src/session_base.cpp:233)``)."""
+        self.sock.close(linger=CLOSE_LINGER_MS)
         if self.auth is not None:
             self.auth.stop()
             self.auth = None

@@ -2,8 +2,9 @@
 
 One run of the byte GPT at `SIZE` (``--quick``: `QUICK_SIZE`) under the chaos harness
 (`ops.chaos.ChaosRun`: real processes, a private redis-server with AOF, a TCP proxy per
-learner): two learners, two syncers sharing the fragments, batch 1, H = 4, the demo's
-fragments, the default codecs. Once every learner trains, `TAKEOVER_AT_S` later, the first
+learner): two learners, two syncers sharing the fragments, batch 1, H = 4, 4 fragments (the
+demo's 2 would put 75M values in one: over `broker.max_payload_bytes`, which the syncer
+refuses), the default codecs. Once every learner trains, `TAKEOVER_AT_S` later, the first
 syncer is killed for good: the other takes its fragments over (recovery from the checkpoint
 and the rounds since). At the end, with the run's Redis still up: `diloco replay` verifies
 every round bit for bit, `diloco export` writes the global parameters, `diloco eval`
@@ -35,8 +36,8 @@ from pipeline.task import task_of
 
 SIZE = (1024, 6)        # d_model, layers: 75.8M parameters
 QUICK_SIZE = (128, 2)   # 0.4M: the same path in a minute
-TAKEOVER_AT_S = 60.0    # after every learner trains
-DURATION_S = 240.0      # of training, from then
+TAKEOVER_AT_S = 45.0    # after every learner trains
+DURATION_S = 150.0      # of training, from then
 
 
 def _cli(*args: str, timeout_s: float = 1800) -> tuple[dict, float]:
@@ -51,11 +52,20 @@ def _cli(*args: str, timeout_s: float = 1800) -> tuple[dict, float]:
     return json.loads(out.stdout.strip().splitlines()[-1]), wall
 
 
+def _available() -> int:
+    """The host's MemAvailable (bytes)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 class _Peaks:
     """Every role process's VmHWM, sampled until stopped (a killed process keeps its last)."""
 
     def __init__(self, chaos: ChaosRun):
         self.chaos, self.peaks = chaos, {}
+        self.min_available = _available()  # the host's MemAvailable at its lowest
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -68,6 +78,7 @@ class _Peaks:
                                                     rss_peak(p.pid))
                 except (OSError, RuntimeError):  # it ended meanwhile
                     continue
+            self.min_available = min(self.min_available, _available())
             time.sleep(0.25)
 
     def stop(self) -> dict[str, int]:
@@ -98,7 +109,7 @@ def bench_large(quick: bool = False, piece_bytes: int | None = None) -> dict:
     pieces), else the default."""
     d_model, n_layers = QUICK_SIZE if quick else SIZE
     over = {"model.d_model": d_model, "model.n_layers": n_layers, "model.n_heads": 8,
-            "learners": 2, "inner.batch_size": 1, "sync.sync_every": 4,
+            "learners": 2, "inner.batch_size": 1, "sync.sync_every": 4, "sync.fragments": 4,
             "data.eval_batches": 4, **({} if piece_bytes is None else {
                 "broker.piece_bytes": piece_bytes})}
     cfg = cfgmod.override(cfgmod.demo_config(), **over)
@@ -115,7 +126,7 @@ def bench_large(quick: bool = False, piece_bytes: int | None = None) -> dict:
                          Path(tmp) / "run", "large", standby=True)
         peaks = None
         try:
-            t0 = time.monotonic()
+            t0, available_before = time.monotonic(), _available()
             chaos.start()
             peaks = _Peaks(chaos)
             chaos.supervise([Fault(takeover_at, "takeover", "syncer-0")], duration)
@@ -131,6 +142,10 @@ def bench_large(quick: bool = False, piece_bytes: int | None = None) -> dict:
             evaluated, eval_s = _cli("eval", str(npz), "--json")
             rounds = {s: sum(n) for s, n in rep["rounds_by_syncer"].items()}
             taken = _taken_over(chaos, rep["faults"][0]["t"]) if rep["faults"] else {}
+        except Exception as e:  # the logs go with the temporary folder: their ends, kept
+            tails = "".join(f"\n--- {f.name}: {f.read_text(errors='replace')[-1500:]}"
+                            for f in sorted((Path(tmp) / "run" / "logs").glob("*.log")))
+            raise RuntimeError(f"bench large at {params:,} parameters: {e}{tails}") from e
         finally:
             if peaks is not None and not peaks._stop.is_set():
                 peaks.stop()
@@ -140,6 +155,7 @@ def bench_large(quick: bool = False, piece_bytes: int | None = None) -> dict:
         "bench": "large", "d_model": d_model, "n_layers": n_layers, "params": params,
         "fragments": list(frag), "config": over, "wall_s": round(wall, 1),
         "peak_bytes": {**by_role, "redis": redis_peak}, "redis_at_end": held,
+        "host_available_bytes": {"before": available_before, "lowest": peaks.min_available},
         "plan_bytes": {k: plan[k] for k in ("learner_bytes", "syncer_bytes", "redis_bytes")},
         "takeover": {"at_s": takeover_at, "rounds_by_syncer": rounds,
                      "first_round_after_s": taken, "faults": rep["faults"]},

@@ -2,7 +2,7 @@
 sittings.
 
     python -m ops.bench.quality_size [--out OUT] [--jobs 2] [--dry-run] [--report]
-                                     [--resume-from docs/bench/RAW.json]
+                                     [--resume-from docs/bench/RAW.json] [--levers]
 
 At each size of `SIZES` (~0.05M, ~0.2M and the default model's 0.84M parameters: 17×), data
 parallel against the shipped decoupled setting (``--model shipped``: every sync and outer
@@ -14,6 +14,9 @@ bracketed: both sides get the same rule, so data parallel's tuning budget is our
 is one ``diloco bench quality`` run that writes its result when it ends, so run this again
 after an interruption and it goes on where it stopped. ``--jobs 2`` keeps two runs going,
 each on a core of its own (`ops.bench.quality_default.drive`).
+
+``--levers``: the two levers of `LEVERS` at the default model instead (the same driver and
+folders' rules), and with ``--report`` their table against the shipped setting.
 
 Data parallel has no sync or outer setting, so at the default model its rows are those of
 BENCHMARKS.md §1.3 (`REUSED_DDP`, the same model, data, steps and rates), copied into the
@@ -57,6 +60,14 @@ SEEDS = (0, 1)
 LADDER = (*GRID, 3.2e-2, 6.4e-2)
 # the default model's data parallel rows (BENCHMARKS.md §1.3, 2026-12-04)
 REUSED_DDP = ("0.84M", Path("docs/bench/quality_default_results.json"))
+# the two levers the literature reports for the gap, at the default model on the shipped setting
+# (each in ``OUT/0.84M-<lever>``): a per-learner batch twice data parallel's share at equal
+# tokens (1,000 steps of 32), and Muon for the hidden matrices (`inner.optimizer`, its rate
+# `inner.muon_lr` at its default); seed 0 at these rates, then seed 1 of a lever at its best
+# rate where that beats the shipped setting's seed 0
+LEVERS = {"batch32": ["--steps", "1000", "--set", "inner.batch_size=32"],
+          "muon": ["--set", 'inner.optimizer="muon"']}
+LEVER_RUNS = (("muon", 4e-3, 0), ("batch32", 4e-3, 0), ("batch32", 8e-3, 0))
 # Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4: DiLoCo M = 4 against data
 # parallel, each at its tuned rates (parameters, gap)
 PUBLISHED = ((35e6, 0.039), (180e6, 0.023), (2.4e9, 0.011))
@@ -190,6 +201,47 @@ def report(out: Path) -> str:
     return md
 
 
+def _lever_losses(out: Path) -> tuple[float | None, dict[str, dict[tuple[float, int], float]]]:
+    """The shipped setting's seed-0 loss at its best rate at 0.84M, and each lever's losses
+    by (rate, seed)."""
+    ship = summary(out).get("0.84M")
+    base = ship["ship"][0] if ship else None
+    got = {}
+    for lever in LEVERS:
+        done = losses(_read(out / f"0.84M-{lever}" / "results.json"))
+        got[lever] = {(lr, seed): done[name((SHIP, lr, seed))]
+                      for lr in {r[1] for r in LEVER_RUNS} for seed in SEEDS
+                      if name((SHIP, lr, seed)) in done}
+    return base, got
+
+
+def lever_wanted(out: Path) -> list:
+    """The levers' runs wanted now (`LEVERS`)."""
+    base, got = _lever_losses(out)
+    runs = [r for r in LEVER_RUNS if (r[1], r[2]) not in got[r[0]]]
+    for lever, seen in got.items():
+        seed0 = {lr: v for (lr, seed), v in seen.items() if seed == 0}
+        todo = [r for r in LEVER_RUNS if r[0] == lever and (r[1], r[2]) not in seen]
+        if seed0 and not todo and base is not None and min(seed0.values()) < base:
+            runs.append((lever, min(seed0, key=seed0.get), 1))
+    return [(name((SHIP, lr, seed)), out / f"0.84M-{lever}",
+             lambda d, lr=lr, seed=seed, lever=lever: command("0.84M", (SHIP, lr, seed), d)
+             + LEVERS[lever])
+            for lever, lr, seed in runs if (lr, seed) not in got[lever]]
+
+
+def lever_report(out: Path) -> str:
+    base, got = _lever_losses(out)
+    lines = ["| lever at 0.84M (shipped setting) | inner lr | loss seed 0 / 1 | against the "
+             "shipped setting's seed 0 |", "|---|---|---|---|"]
+    for lever, seen in got.items():
+        for lr in sorted({lr for lr, _ in seen}):
+            by_seed = " / ".join(f"{seen[(lr, s)]:.4f}" for s in SEEDS if (lr, s) in seen)
+            vs = f"{100 * (seen[(lr, 0)] / base - 1):+.1f} %" if base and (lr, 0) in seen else ""
+            lines.append(f"| {lever} | {lr:g} | {by_seed} | {vs} |")
+    return "\n".join(lines) + "\n"
+
+
 def wanted(out: Path) -> list:
     """Every size's runs wanted now, the smallest size first."""
     return [(name(r), out / size, lambda d, size=size, r=r: command(size, r, d))
@@ -204,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, choices=(1, 2), default=1)
     ap.add_argument("--dry-run", action="store_true", help="print the runs wanted now")
     ap.add_argument("--report", action="store_true", help="write and print the summary only")
+    ap.add_argument("--levers", action="store_true",
+                    help="the two levers at the default model instead (LEVERS), in "
+                         "OUT/0.84M-<lever>; with --report, their table")
     ap.add_argument("--resume-from", type=Path, metavar="RAW",
                     help="first copy the finished runs of a committed raw results file "
                          "(docs/bench/quality_size_*_results.json) into OUT")
@@ -216,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     for size in SIZES:
         if (a.out / size).is_dir():
             merge_jobs(a.out / size)
+    for lever in LEVERS if a.levers else ():
+        (a.out / f"0.84M-{lever}").mkdir(parents=True, exist_ok=True)
+        merge_jobs(a.out / f"0.84M-{lever}")
+    todo = (lambda: lever_wanted(a.out)) if a.levers else (lambda: wanted(a.out))
     if a.report:
-        print(report(a.out), end="")
+        print((lever_report if a.levers else report)(a.out), end="")
         return 0
     if a.dry_run:
-        for key, d, _ in wanted(a.out):
+        for key, d, _ in todo():
             print(f"{d.name}: {key}")
         return 0
     lock = lock_folder(ap, a.out)  # noqa: F841 (held until the process ends)
@@ -229,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     for size in SIZES:
         (a.out / size).mkdir(parents=True, exist_ok=True)
         merge(a.out / size)
-    failed = drive(a.jobs, lambda: wanted(a.out))
+    failed = drive(a.jobs, todo)
     if failed:
         print("failed: " + "; ".join(failed), file=sys.stderr)
         return 1
-    print(report(a.out), end="")
+    print((lever_report if a.levers else report)(a.out), end="")
     return 0
 
 

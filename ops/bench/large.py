@@ -34,7 +34,7 @@ from pipeline.fragments import fragment_sizes, partition
 from pipeline.plan import Workload, memory
 from pipeline.task import task_of
 
-SIZE = (1024, 6)        # d_model, layers: 75.8M parameters
+SIZE = (1024, 8)        # d_model, layers: 100.9M parameters
 QUICK_SIZE = (128, 2)   # 0.4M: the same path in a minute
 TAKEOVER_AT_S = 45.0    # after every learner trains
 DURATION_S = 150.0      # of training, from then

@@ -186,6 +186,13 @@ def memory(cfg: RunConfig, w: Workload) -> dict[str, float]:
             "redis_bytes_during_aof_rewrite": 2.0 * redis}
 
 
+def role_bytes(cfg: RunConfig, fragment_values: Sequence[int], role: str) -> int:
+    """`memory`'s arrays of one process of `role` ("learner", or "syncer" serving the
+    fragments of `fragment_values`): what it checks against its host when it starts."""
+    w = Workload(tuple(fragment_values), cfg.learners, 1.0, 1.0, 1.0)
+    return int(memory(cfg, w)[f"{role}_bytes"])
+
+
 def snapshots_bytes(cfg: RunConfig, n: int) -> int:
     """The most a fragment of `n` values keeps in ``sent:<v>`` and ``global`` at once: the
     versions from `max_staleness` before the checkpoint to the newest, and the latest value

@@ -205,3 +205,27 @@ def test_init_refuses_a_redis_whose_maxmemory_cannot_hold_the_run(tmp_path, caps
         assert "raise maxmemory in redis.conf" in err[0] and "Traceback" not in err[0]
     finally:
         server.stop()
+
+
+def test_each_role_checks_its_planned_memory_against_its_host(tmp_path, caplog):
+    """A learner or syncer whose arrays (`pipeline.plan.role_bytes`) exceed the host's memory
+    is refused in one line naming what to change; one that exceeds only what is available
+    now starts with a warning; a host whose memory is not known starts."""
+    from pipeline.plan import Workload, memory, role_bytes
+    from workers.common import memory_refusal
+
+    cfg = cfgmod.RunConfig()
+    sizes = [600_000_000, 400_000_000]
+    planned = memory(cfg, Workload(tuple(sizes), cfg.learners, 1.0, 1.0, 1.0))
+    assert role_bytes(cfg, sizes, "learner") == int(planned["learner_bytes"])
+    assert role_bytes(cfg, sizes, "syncer") == int(planned["syncer_bytes"])
+    assert role_bytes(cfg, sizes[1:], "syncer") < role_bytes(cfg, sizes, "syncer")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16777216 kB\nMemFree:  1 kB\nMemAvailable:    4194304 kB\n")
+    need = role_bytes(cfg, sizes, "syncer")  # ~30 GiB
+    why = memory_refusal("syncer", need, "give this syncer fewer fragments (--fragments)", meminfo)
+    assert why is not None and "16.0 GiB" in why and "--fragments" in why and "\n" not in why
+    with caplog.at_level(logging.WARNING, logger="diloco.common"):
+        assert memory_refusal("learner", 8 * 2**30, "x", meminfo) is None
+    assert "more than the 4.0 GiB available on this host now" in caplog.text
+    assert memory_refusal("learner", 2**50, "x", tmp_path / "missing") is None

@@ -8,6 +8,7 @@ import glob
 import io
 import ipaddress
 import logging
+import math
 import os
 import sys
 import threading
@@ -264,6 +265,40 @@ def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
     if not all(np.isfinite(v).all() for v in values.values()):
         raise DecodeError(f"the snapshot of fragment {fk.fragment} holds non-finite values")
     return Snapshot(header.version, values, header.sha256)
+
+
+def host_memory(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int]:
+    """This host's (MemTotal, MemAvailable) in bytes; 0 where not known (not Linux)."""
+    got = {}
+    try:
+        for line in meminfo.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable") and rest.split():
+                got[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return got.get("MemTotal", 0), got.get("MemAvailable", 0)
+
+
+def memory_refusal(role: str, need: int, fix: str,
+                   meminfo: Path = Path("/proc/meminfo")) -> str | None:
+    """Why a `role` process whose arrays need `need` bytes (`pipeline.plan.role_bytes`)
+    cannot run on this host — more than its memory, `fix` says what to change — or None
+    (logged at warning when it is more than the memory available now)."""
+    total, available = host_memory(meminfo)
+    gib = 2**30
+    if total and need > total:
+        return (f"the {role}'s arrays alone need {need / gib:.1f} GiB (diloco plan), more "
+                f"than this host's {total / gib:.1f} GiB: {fix}")
+    if available and need > available:
+        log.warning("the %s's arrays need %.1f GiB (diloco plan), more than the %.1f GiB "
+                    "available on this host now", role, need / gib, available / gib)
+    return None
+
+
+def fragment_values(ctx: RunContext) -> list[int]:
+    """The values of each of the run's fragments."""
+    return [sum(math.prod(ctx.shapes[n]) for n in names) for names in ctx.fragments]
 
 
 def join_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,

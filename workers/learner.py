@@ -30,6 +30,7 @@ from broker.errors import BrokerError, Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
 from pipeline.mesh import Placement
+from pipeline.plan import role_bytes
 from pipeline.train import make_step
 from workers import native, scalars
 from workers.common import (
@@ -38,6 +39,8 @@ from workers.common import (
     add_role_args,
     apply_environment,
     enable_compile_cache,
+    fragment_values,
+    memory_refusal,
     open_run,
     process_age_s,
     require_security,
@@ -204,6 +207,11 @@ def main(cfg: LearnerConfig) -> int:
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task,
                    need_code=True)
     marks["run_opened_at_s"] = process_age_s()
+    refused = memory_refusal("learner", role_bytes(ctx.cfg, fragment_values(ctx), "learner"),
+                             "a host with more memory, or a smaller model")
+    if refused:
+        log.error("%s: %s", cfg.learner_id, refused)
+        return 2
     zctx = zmq.Context()
     try:
         learner = Learner(cfg, ctx, zctx)

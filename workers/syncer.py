@@ -32,8 +32,15 @@ from broker.pubsub import Publisher
 from broker.records import SyncerFinal
 from pipeline import capacity, kernels
 from pipeline.config import to_dict
+from pipeline.plan import role_bytes
 from workers import heap, native
-from workers.common import RunContext, apply_environment, open_run
+from workers.common import (
+    RunContext,
+    apply_environment,
+    fragment_values,
+    memory_refusal,
+    open_run,
+)
 from workers.scalars import open_log
 from workers.syncer_commits import Commits
 
@@ -255,6 +262,16 @@ def main(cfg: SyncerConfig) -> int:
         ctx.r, ctx.cfg.broker.max_payload_bytes, ctx.cfg.broker.piece_bytes))
     if refused:
         log.error("run %r cannot start: %s", cfg.run, refused)
+        return 2
+    # a syncer may come to serve every fragment it may serve (taking the others' over)
+    sizes = fragment_values(ctx)
+    refused = memory_refusal(
+        "syncer", role_bytes(ctx.cfg, [sizes[p] for p in cfg.fragments or range(len(sizes))],
+                             "syncer"),
+        "give this syncer fewer fragments (--fragments; other syncers the rest), or a host "
+        "with more memory")
+    if refused:
+        log.error("%s: %s", cfg.syncer_id, refused)
         return 2
     zctx = zmq.Context()
     try:

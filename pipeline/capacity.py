@@ -117,6 +117,19 @@ def _memory(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
             f"sizes it; `diloco plan` prints the run's steady state)")
 
 
+def fragments_needed(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
+                     is_embedding: Callable[[str], bool], limits: Limits) -> int | None:
+    """The least number of fragments, at least `sync.fragments`, whose every value fits its
+    paths (None: none does — a tensor alone is too large, or the model cannot be split)."""
+    for p in range(cfg.effective_sync().fragments, MAX_FRAGMENTS + 1):
+        found = _largest(cfg, shapes, is_embedding, p)
+        if found is None:
+            return None
+        if not _problems(cfg, found[1], limits):
+            return p
+    return None
+
+
 def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
           is_embedding: Callable[[str], bool], limits: Limits) -> str | None:
     """None if every fragment's values fit their paths; else one line: which value of which
@@ -136,13 +149,10 @@ def check(cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]],
     what, size, limit, name = over[0]
     head = (f"fragment {p} holds {n:,} values: its {what} is {_mb(size)}, over {name} "
             f"({_mb(limit)})")
-    for more in range(fragments + 1, MAX_FRAGMENTS + 1):
-        found = _largest(cfg, shapes, is_embedding, more)
-        if found is None:
-            break
-        if not _problems(cfg, found[1], limits):
-            return (f"{head}: set sync.fragments to at least {more} (the largest fragment then "
-                    f"holds {found[1]:,} values)")
+    more = fragments_needed(cfg, shapes, is_embedding, limits)
+    if more is not None:
+        return (f"{head}: set sync.fragments to at least {more} (the largest fragment then "
+                f"holds {_largest(cfg, shapes, is_embedding, more)[1]:,} values)")
     biggest = max(shapes, key=lambda k: math.prod(shapes[k]))
     setting = ("broker.max_payload_bytes" if "max_payload_bytes" in name
                else "proto-max-bulk-len in redis.conf")

@@ -66,15 +66,24 @@ def test_init_refuses_in_one_line_and_stores_nothing(capsys, redis_server):
     from broker.connection import connect
     from ops.cli import main
 
-    code = main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS])
+    # sync.fragments set to a number whose values do not fit: refused, nothing stored
+    code = main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS,
+                 "--set", "sync.fragments=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "set sync.fragments to at least 6" in err[0] and "Traceback" not in err[0], err
     r = connect(redis_server.url)
     assert not r.keys("ddl:{big*"), r.keys("*")
+    # not set: chosen for the model (one line says so) and stored
+    assert main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS]) == 0
+    assert "sync.fragments = 6: not set" in capsys.readouterr().err
+    import tomllib
+
+    from broker import registry
+    from broker.keys import RunKeys
+    stored = cfgmod.from_stored(tomllib.loads(registry.load_config(r, RunKeys("big"))[0]))
+    assert stored.sync.fragments == 6
     r.close()
-    assert main(["init", "--redis-url", redis_server.url, "--run", "big", *BIG_ARGS,
-                 "--set", "sync.fragments=6"]) == 0
 
 
 @pytest.fixture
@@ -229,3 +238,32 @@ def test_each_role_checks_its_planned_memory_against_its_host(tmp_path, caplog):
         assert memory_refusal("learner", 8 * 2**30, "x", meminfo) is None
     assert "more than the 4.0 GiB available on this host now" in caplog.text
     assert memory_refusal("learner", 2**50, "x", tmp_path / "missing") is None
+
+
+def test_fragments_not_set_are_chosen_for_the_model_and_a_set_number_is_kept(tmp_path, capsys):
+    """Without `sync.fragments` set, the command line raises it to the least whose values fit
+    (said in one line); set on the command line or in the file, it is kept (and a run that
+    does not fit is refused by `init`, naming it)."""
+    import argparse
+
+    from ops.cli.common import config_from_args
+
+    big = ["model.d_model=2048", "model.n_layers=12", "model.n_heads=16"]
+
+    def args(*sets, config=None):
+        return argparse.Namespace(set=list(sets), config=config)
+
+    cfg = config_from_args(args(*big))
+    task = task_of(cfg, local=cfg.task)
+    limits = capacity.Limits(cfg.broker.max_payload_bytes)
+    assert cfg.sync.fragments == 11 and capacity.check(
+        cfg, task.param_shapes(), task.is_embedding, limits) is None
+    assert capacity.fragments_needed(cfgmod.override(cfg, **{"sync.fragments": 4}),
+                                     task.param_shapes(), task.is_embedding, limits) == 11
+    assert "sync.fragments = 11: not set" in capsys.readouterr().err
+    assert config_from_args(args(*big, "sync.fragments=4")).sync.fragments == 4
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nd_model = 2048\nn_layers = 12\nn_heads = 16\n[sync]\nfragments = 4\n")
+    assert config_from_args(args(config=str(toml))).sync.fragments == 4
+    assert capsys.readouterr().err == ""
+    assert config_from_args(args()).sync.fragments == cfgmod.RunConfig().sync.fragments

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import redis
 
+from pipeline import capacity
 from pipeline import config as cfgmod
 from pipeline.config import ConfigError, RunConfig
+from pipeline.task import task_of
 
 
 def add_config_args(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
@@ -52,7 +56,37 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
     if "learners" in updates and "sync.quorum" not in updates and cfg.sync.quorum > updates[
             "learners"]:
         updates["sync.quorum"] = updates["learners"]
-    return cfgmod.override(cfg, **updates) if updates else cfgmod.validate(cfg)
+    cfg = cfgmod.override(cfg, **updates) if updates else cfgmod.validate(cfg)
+    if "sync.fragments" in updates or _file_sets(args, "sync", "fragments"):
+        return cfg
+    return fragments_for_the_model(cfg)
+
+
+def _file_sets(args: argparse.Namespace, table: str, key: str) -> bool:
+    path = getattr(args, "config", None)
+    if not path:
+        return False
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # (cfgmod.load read it already: not reached)
+    return isinstance(data.get(table), dict) and key in data[table]
+
+
+def fragments_for_the_model(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `sync.fragments` raised, when it was not set, to the least whose every
+    value fits its paths (`pipeline.capacity.fragments_needed`), said in one line."""
+    task = task_of(cfg, local=cfg.task)
+    shapes = task.param_shapes()
+    need = capacity.fragments_needed(cfg, shapes, task.is_embedding, capacity.Limits(
+        cfg.broker.max_payload_bytes, piece_bytes=cfg.broker.piece_bytes))
+    if need is None or need == cfg.sync.fragments:
+        return cfg
+    print(f"sync.fragments = {need}: not set, and {cfg.sync.fragments} fragments would put "
+          f"more than broker.max_payload_bytes in one value at this model's "
+          f"{sum(math.prod(s) for s in shapes.values()):,} parameters (set it to choose)",
+          file=sys.stderr)
+    return cfgmod.override(cfg, **{"sync.fragments": need})
 
 
 def print_json(obj: Any) -> None:

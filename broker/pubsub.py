@@ -167,11 +167,13 @@ class Publisher:
         return n
 
     def close(self) -> None:
-        """Close the socket, sending what is still queued for up to `CLOSE_LINGER_MS` (the
-        final values a syncer publishes just before it exits; and with no linger, libzmq
-        4.3.5 aborts the process when a peer disconnects while a message is half sent —
-        zeromq/libzmq#3442, seen as ``Resource temporarily unavailable
-        (src/session_base.cpp:233)``)."""
+        """Close the socket, sending what is still queued for up to `CLOSE_LINGER_MS`: the
+        final values a syncer publishes just before it exits reach the learners. With no
+        linger the socket's pipes end at once, and libzmq 4.3.5 asserts (aborting the process)
+        when a peer's connection fails while a multipart message is half sent through such a
+        pipe (`session_base_t::clean_pipes`; zeromq/libzmq#3442 reports it on the other end):
+        seen in a syncer as ``Resource temporarily unavailable (src/session_base.cpp:233)``.
+        A value still not sent after the linger is cut as before."""
         self.sock.close(linger=CLOSE_LINGER_MS)
         if self.auth is not None:
             self.auth.stop()

@@ -14,8 +14,9 @@ SHA = "ab" * 32
 
 
 def test_an_attestation_goes_through_and_a_merged_value_is_not_one():
-    got = attest.parse(attest.frames("run", 3, 7, SHA))
-    assert got == attest.Attestation("run", 3, 7, SHA)
+    got = attest.parse(attest.frames("run", 3, [(v, SHA) for v in range(2, 8)]))
+    assert got == attest.Attestation("run", 3, tuple((v, SHA) for v in range(8 - attest.SENT, 8)))
+    assert sum(len(f) for f in attest.frames("r" * 64, 3, [(2**40, SHA)] * attest.SENT)) < 600
     import numpy as np
 
     from pipeline import quant
@@ -27,24 +28,27 @@ def test_an_attestation_goes_through_and_a_merged_value_is_not_one():
 @pytest.mark.parametrize(("frames", "why"), [
     ([codec.topic(0), attest.MARK], "3 frames"),
     ([codec.topic(0), attest.MARK, b"x", b"y"], "3 frames"),
-    ([codec.topic(0), attest.MARK, b"\x00" * 600], "bytes"),
+    ([codec.topic(0), attest.MARK, b"\x00" * 1100], "bytes"),
     ([codec.topic(0), attest.MARK, b"\xc1"], "attestation"),
-    ([codec.topic(0), attest.MARK, msgpack.packb({"run": "r", "fragment": 0, "version": 1})],
-     "attestation"),
+    ([codec.topic(0), attest.MARK, msgpack.packb({"run": "r", "fragment": 0})], "attestation"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": 0, "version": 1, "sha256": SHA, "x": 1})], "attestation"),
+        {"run": "r", "fragment": 0, "hashes": [[1, SHA]], "x": 1})], "attestation"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "", "fragment": 0, "version": 1, "sha256": SHA})], "run"),
+        {"run": "r", "fragment": 0, "hashes": [[1, SHA]] * (attest.SENT + 1)})], "attestation"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": -1, "version": 1, "sha256": SHA})], "fragment"),
+        {"run": "r", "fragment": 0, "hashes": [[1, SHA, 2]]})], "attestation"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": 0, "version": -1, "sha256": SHA})], "version"),
+        {"run": "", "fragment": 0, "hashes": [[1, SHA]]})], "run"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": 0, "version": 2**63, "sha256": SHA})], "attestation|version"),
+        {"run": "r", "fragment": -1, "hashes": [[1, SHA]]})], "fragment"),
     ([codec.topic(0), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": 0, "version": 1, "sha256": "AB" * 32})], "hex"),
+        {"run": "r", "fragment": 0, "hashes": [[-1, SHA]]})], "version"),
+    ([codec.topic(0), attest.MARK, msgpack.packb(
+        {"run": "r", "fragment": 0, "hashes": [[2**63, SHA]]})], "attestation|version"),
+    ([codec.topic(0), attest.MARK, msgpack.packb(
+        {"run": "r", "fragment": 0, "hashes": [[1, "AB" * 32]]})], "hex"),
     ([codec.topic(1), attest.MARK, msgpack.packb(
-        {"run": "r", "fragment": 0, "version": 1, "sha256": SHA})], "topic"),
+        {"run": "r", "fragment": 0, "hashes": [[1, SHA]]})], "topic"),
 ])
 def test_a_malformed_attestation_is_refused_with_its_reason(frames, why):
     with pytest.raises(DecodeError, match=why):
@@ -70,14 +74,36 @@ def test_a_snapshot_is_taken_only_as_attested():
     assert attest.Attestations("run", 2, required=False).check(0, 5, "cd" * 32) == attest.OK
 
 
+def _header(fragment=0, version=3, names=("a", "b"), codecs=("fp32", "fp32"), blocks=(0, 0),
+            run="run", sha=SHA):
+    return codec.GlobalHeader(run, fragment, version, names, codecs, ((2,), (2,)), blocks, sha)
+
+
+def test_a_snapshot_is_taken_only_in_the_layout_a_syncer_writes():
+    """The attested hash covers the tensors' bytes one after the other: the names in order,
+    one codec and one block size leave one way to cut them into tensors. A snapshot read as
+    fragment 0 must say fragment 0 of this run (a genuine snapshot of another fragment
+    relabelled is refused)."""
+    a = attest.Attestations("run", 2, required=True, codec="fp32")
+    a.note("run", 0, 3, SHA)
+    assert a.snapshot(0, _header()) == attest.OK
+    for bad in (_header(names=("b", "a")), _header(codecs=("fp32", "bf16")),
+                _header(blocks=(0, 4)), _header(fragment=1), _header(run="other")):
+        assert a.snapshot(0, bad) == attest.FORGED, bad
+    assert attest.Attestations("run", 2, required=True, codec="bf16").snapshot(
+        0, _header()) == attest.FORGED
+    assert attest.Attestations("run", 2, required=False).snapshot(0, _header(
+        names=("b", "a"))) == attest.OK
+
+
 def test_a_joining_learner_waits_for_the_attestation_and_no_longer():
     a = attest.Attestations("run", 1, required=True)
     t0 = time.monotonic()
-    assert a.wait(0, 3, SHA, timeout_s=0.2) == attest.UNKNOWN
+    assert a.wait(0, _header(), timeout_s=0.2) == attest.UNKNOWN
     assert 0.2 <= time.monotonic() - t0 < 2.0
-    later = threading.Timer(0.1, a.note, ("run", 0, 3, SHA))
+    later = threading.Timer(0.1, a.note_all, (attest.Attestation("run", 0, ((2, SHA), (3, SHA))),))
     later.start()
     try:
-        assert a.wait(0, 3, SHA, timeout_s=10.0) == attest.OK
+        assert a.wait(0, _header(), timeout_s=10.0) == attest.OK
     finally:
         later.cancel()

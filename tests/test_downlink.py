@@ -205,22 +205,28 @@ def test_with_curve_a_repairing_learner_takes_only_the_snapshot_the_syncers_atte
     zctx = zmq.Context()
     net = LearnerNet(ctx, "L0", zctx, curve=CurveClient(str(tmp_path / "L0.key_secret"),
                                                         str(tmp_path / "syncer.key")))
+    repair = net.snapshots
     try:
         r.set(fk.global_, forged)
         net.request_snapshot(p)
-        net._serve_snapshots()  # nothing attested yet: not taken, read again later
-        assert net.inbox.empty() and net.stats.rejected == 0 and p in net._snapshot_again
+        repair.serve()  # nothing attested yet: kept, not taken
+        assert net.inbox.empty() and net.stats.rejected == 0 and p in repair.unattested
         net.attested.note("att", p, s.version, s.sent_hash)  # the syncer's word, heard
-        net._snapshot_again[p] = 0.0
-        net._serve_snapshots()
-        assert net.inbox.empty() and net.stats.rejected == 1  # forged: refused
-        assert net._snapshot_again[p] > time.monotonic() + 4.0
+        repair.serve()  # checked again without reading: forged, refused, read again later
+        assert net.inbox.empty() and net.stats.rejected == 1 and net.stats.snapshots_read == 1
+        assert repair.again[p] > time.monotonic() + 4.0 and not repair.unattested
         r.set(fk.global_, real)
-        net._snapshot_again[p] = 0.0
-        net._serve_snapshots()
+        repair.again[p] = 0.0
+        repair.serve()
         got = net.inbox.get_nowait()
         assert got[1] == s.version and quant.tensors_hash(got[2]) == s.sent_hash
-        assert not net._snapshot_again and net.stats.rejected == 1
+        assert not repair.again and net.stats.rejected == 1
+        # another fragment's genuine snapshot (attested, same size) under this one's key
+        relabelled = bytes(codec.pack_snapshot("att", 1, s.version, s.snapshot_tensors))
+        r.set(fk.global_, relabelled)
+        net.request_snapshot(p)
+        repair.serve()
+        assert net.inbox.empty() and net.stats.rejected == 2
     finally:
         net.sub.close()
         zctx.term()
@@ -638,7 +644,7 @@ def test_a_snapshot_comes_with_the_merge_records_committed_with_its_round(redis_
                             version=s.version, record={"version": s.version}, ack_ids=[],
                             merged={n: m.to_json() for n, m in merged.items()})
             net.snapshot_requests.put(p)
-            net._serve_snapshots()
+            net.snapshots.serve()
             got = net.inbox.get_nowait()
             assert got[1] == s.version == i + 1
             # v1: no record of L0 → none merged; v2: merged L0's push at step 7; v3 (another

@@ -238,7 +238,7 @@ def decode_values(tensors: dict[str, quant.QTensor]) -> dict[str, np.ndarray]:
 class Snapshot(NamedTuple):
     version: int
     values: dict[str, np.ndarray]
-    sha256: str  # of its tensors (`pipeline.syncer.FragmentSyncer.sent_hash`)
+    header: codec.GlobalHeader  # its layout and the SHA-256 of its tensors
 
 
 def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
@@ -264,7 +264,7 @@ def read_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
     values = decode_values(tensors)
     if not all(np.isfinite(v).all() for v in values.values()):
         raise DecodeError(f"the snapshot of fragment {fk.fragment} holds non-finite values")
-    return Snapshot(header.version, values, header.sha256)
+    return Snapshot(header.version, values, header)
 
 
 def host_memory(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int]:
@@ -305,34 +305,40 @@ def join_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,
                   shapes: Mapping[str, tuple[int, ...]], attested: attest.Attestations,
                   deadline: float) -> Snapshot:
     """The fragment's value to join from: read until there is one (its syncer writes it when
-    it starts) and, with CURVE, until its hash is the one the syncers attested over ZeroMQ
-    for its version (`broker.attest`; a forged one is logged, once a version, and read again).
+    it starts) and, with CURVE, until it is what the syncers attested over ZeroMQ for its
+    version (`broker.attest`; a forged or malformed one is logged, once, and read again a
+    second later; one not attested yet is waited for — a takeover's recovery, a restart).
 
     Raises:
         BrokerError: None by `deadline` (monotonic), saying why.
-        DecodeError: As `read_snapshot`.
     """
-    forged = -1
+    said: set[str] = set()
+    why = ""
     while True:
-        snap = read_snapshot(r, fk, max_bytes, shapes)
+        now_why = ""
+        try:
+            snap = read_snapshot(r, fk, max_bytes, shapes)
+        except DecodeError as e:
+            snap, now_why = None, f"its snapshot in Redis does not decode: {e}"
+        # (a snapshot not attested yet is waited on, not read again: it may be large)
         verdict = None if snap is None else attested.wait(
-            fk.fragment, snap.version, snap.sha256, min(2 * attest.ATTEST_S,
-                                                         max(0.0, deadline - time.monotonic())))
+            fk.fragment, snap.header, min(5.0, max(0.0, deadline - time.monotonic())))
         if verdict == attest.OK:
             return snap
-        if verdict == attest.FORGED and snap.version != forged:
-            forged = snap.version
-            log.error("fragment %d: %s; reading it again (who else may write the run's values "
-                      "in Redis?)", fk.fragment, attest.refusal(snap.version))
+        if verdict == attest.FORGED:
+            now_why = attest.refusal(snap.version)
+        elif verdict == attest.UNKNOWN:
+            now_why = (f"no syncer attested its snapshot (version {snap.version}) over ZeroMQ: "
+                       f"is the syncer serving it running with --curve-secret, and reachable?")
+        why = now_why or why
+        if now_why and now_why not in said and verdict != attest.UNKNOWN:
+            said.add(now_why)
+            log.error("fragment %d: %s; reading it again", fk.fragment, now_why)
         if time.monotonic() > deadline:
-            raise BrokerError(f"fragment {fk.fragment} has no global value in Redis; is a "
-                              f"syncer running for run {fk.run!r}?" if snap is None else
-                              f"fragment {fk.fragment}: {attest.refusal(snap.version)}"
-                              if verdict == attest.FORGED else
-                              f"fragment {fk.fragment}: no syncer attested its snapshot (version "
-                              f"{snap.version}) over ZeroMQ: is the syncer serving it running "
-                              f"with --curve-secret, and reachable?")
-        time.sleep(0.1)
+            raise BrokerError(f"fragment {fk.fragment}: {why}" if why else
+                              f"fragment {fk.fragment} has no global value in Redis; is a "
+                              f"syncer running for run {fk.run!r}?")
+        time.sleep(1.0 if verdict == attest.FORGED or now_why and snap is None else 0.1)
 
 
 def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray], *,

@@ -75,12 +75,14 @@ class MergedLookup:
             if rec is None or (rec.base_version, rec.step) != key:
                 return None
             limit = self.ctx.cfg.broker.max_payload_bytes
-            blob = pieces.read(r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
+            # with CURVE the latest value (the syncers attest the latest ones)
+            blob = None if self.net.attested.required else pieces.read(
+                r, fk.sent(rec.version), max_bytes=limit, what="snapshot")
             header, tensors = (None, {}) if blob is None else codec.unpack_snapshot(
                 blob, max_bytes=limit, delta_ok=True)
-            if header is None or header.base >= 0 or self.net.attested.required:
-                # gone, kept as the delta sent, or with CURVE (a value the syncers attest is
-                # the latest): the latest value (whole) holds the push too
+            if header is None or header.base >= 0:
+                # gone, kept as the delta sent, or not read: the latest value (whole) holds
+                # the push too
                 blob = pieces.read(r, fk.global_, max_bytes=limit, what="snapshot")
                 if blob is None:
                     return None
@@ -93,12 +95,13 @@ class MergedLookup:
             log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
                         "pushing all its progress again", self.id, key[1], p, e)
             return None
-        verdict = self.net.attested.check(p, header.version, header.sha256)
-        if verdict != attest.OK:  # with CURVE: not attested (yet), or forged
-            log.warning("%s: could not check whether push %d of fragment %d was merged (%s)",
-                        self.id, key[1], p, attest.refusal(header.version)
-                        if verdict == attest.FORGED else "its snapshot not attested yet")
-            return None if verdict == attest.FORGED else DEFER
+        verdict = self.net.attested.snapshot(p, header)
+        if verdict != attest.OK:  # with CURVE: not attested (yet), or forged: asked again
+            log.warning("%s: could not check whether push %d of fragment %d was merged (%s); "
+                        "pushing at the fragment's next turn", self.id, key[1], p,
+                        attest.refusal(header.version) if verdict == attest.FORGED
+                        else "its snapshot not attested yet")
+            return DEFER
         problem = self.net.check_value(header, tensors)
         if problem or header.fragment != p or header.version < rec.version:
             log.warning("%s: the snapshot of fragment %d is not usable (%s); pushing all "

@@ -28,9 +28,8 @@ import numpy as np
 import redis
 import zmq
 
-from broker import attest, codec, registry, signing
+from broker import attest, registry, signing
 from broker.connection import OUTAGE
-from broker.errors import DecodeError
 from broker.pubsub import CurveClient, Subscriber
 from broker.records import Heartbeat
 from broker.streams import FragmentStreams, StreamExhausted
@@ -39,6 +38,7 @@ from pipeline.downlink import apply_delta
 from pipeline.learner import UNKNOWN, MergedValue
 from pipeline.quant import tensors_hash
 from workers.common import RunContext, decode_values
+from workers.learner_snapshots import SnapshotRepair
 
 log = logging.getLogger("diloco.learner")
 
@@ -100,11 +100,13 @@ class LearnerNet(threading.Thread):
         # island's `MergedLookup.serve`, run on this thread)
         self.inbox: queue.Queue = queue.Queue()
         self.serve_lookups: Callable[[], None] | None = None
-        self.snapshot_requests: queue.Queue = queue.Queue()
         # with CURVE, what the syncers attested (`broker.attest`): a snapshot read from Redis
-        # is taken only when it is that; fragment → when to read a refused one again
-        self.attested = attest.Attestations(ctx.keys.run, len(ctx.fragments), curve is not None)
-        self._snapshot_again: dict[int, float] = {}
+        # is taken only when it is that (`workers.learner_snapshots`)
+        sync = ctx.cfg.effective_sync()
+        self.attested = attest.Attestations(ctx.keys.run, len(ctx.fragments), curve is not None,
+                                            "fp32" if sync.down_delta else sync.codec_down)
+        self.snapshots = SnapshotRepair(self)
+        self.snapshot_requests = self.snapshots.requests
         self.progress: dict = {}  # the training loop's latest figures, sent with each heartbeat
         self.redis_down = False  # Redis failed this thread's last call (and no call since)
         self.stats = NetStats()
@@ -217,7 +219,7 @@ class LearnerNet(threading.Thread):
                     self._send_pushes()
                 if self.stop_event.is_set():  # superseded: nothing more, not even a repair
                     return
-                self._serve_snapshots()
+                self.snapshots.serve()
                 if self.serve_lookups is not None:
                     self.serve_lookups()
                 if down_since is not None:
@@ -320,37 +322,6 @@ class LearnerNet(threading.Thread):
                            lost_id=entry_id, new_id=new_id)
             self._acked(p, new_id, fields, repush=True)
 
-    def _serve_snapshots(self) -> None:
-        wanted, now = set(), time.monotonic()
-        while True:
-            try:
-                wanted.add(self.snapshot_requests.get_nowait())
-            except queue.Empty:
-                break
-        for p in [p for p, at in self._snapshot_again.items() if at <= now]:
-            del self._snapshot_again[p]  # a snapshot refused (below), read again
-            wanted.add(p)
-        for p in sorted(wanted):
-            try:
-                blob = self.streams.read_global(p, self.bcfg.max_payload_bytes)
-                if blob is None:
-                    continue
-                self.stats.snapshots_read += 1
-                self.stats.snapshot_bytes += len(blob)
-                header, tensors = codec.unpack_snapshot(blob,
-                                                        max_bytes=self.bcfg.max_payload_bytes)
-            except DecodeError as e:
-                self._reject(p, f"malformed snapshot: {e}")
-                continue
-            # with CURVE, taken once its hash is the one the syncers attested (else read again)
-            verdict = self.attested.check(p, header.version, header.sha256)
-            if verdict == attest.OK:
-                self._deliver(header, tensors)
-                continue
-            self._snapshot_again[p] = now + attest.READ_AGAIN_S[verdict]
-            if verdict == attest.FORGED:
-                self._reject(p, attest.refusal(header.version))
-
     def _merged_push(self, p: int) -> MergeRecord | str | None:
         """This learner's last push of fragment p that a round merged (base version, step,
         the round's version), read when a value arrives: the syncer commits it with the round's
@@ -395,7 +366,7 @@ class LearnerNet(threading.Thread):
         if msg is None:
             return
         if isinstance(msg, attest.Attestation):
-            return self.attested.note(msg.run, msg.fragment, msg.version, msg.sha256)
+            return self.attested.note_all(msg)
         header, tensors = msg
         # a published value is the syncers' word on its version's hash, as an attestation is
         self.attested.note(header.run, header.fragment, header.version,

@@ -125,8 +125,7 @@ class Syncer:
 
     def _refresh(self) -> None:
         """The learners (live, declared tokens per step, step time) every quarter second or
-        half a heartbeat; the leases every lease period / 3; with CURVE, each fragment's value
-        attested every `attest.ATTEST_S`."""
+        half a heartbeat; the leases every lease period / 3 (`_renew_leases`)."""
         now, sh = time.monotonic(), self.sh
         if now >= self._next_live:
             self._next_live = now + min(0.25, self.bcfg.heartbeat_s / 2)
@@ -144,16 +143,17 @@ class Syncer:
             if times:
                 sh.step_time_s = min(times)
         self._renew_leases()
+
+    def _renew_leases(self) -> None:
+        """The leases renewed when a lease period / 3 has passed since the last time (also
+        between two fragments' closes: at 100M+ values a few closes outlast a lease); with
+        CURVE, each fragment's values attested every `attest.ATTEST_S` (as often)."""
+        now = time.monotonic()
         if self.cfg.curve is not None and now >= self._next_attest:
             self._next_attest = now + attest.ATTEST_S
             for p in self.owned:
                 if p in self.frags:
                     self.rounds.attest(p, self.frags[p].core)
-
-    def _renew_leases(self) -> None:
-        """The leases renewed when a lease period / 3 has passed since the last time (also
-        between two fragments' closes: at 100M+ values a few closes outlast a lease)."""
-        now = time.monotonic()
         if now >= self._next_lease:
             self._next_lease = now + self.bcfg.lease_ms / 3000
             self.owner.renew()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from broker import attest, codec
 from broker.records import Drop, Included, Merged, RoundRecord
@@ -25,6 +26,7 @@ class Rounds:
         self.sh = sh
         self.intake = intake
         self.commits = commits
+        self._sent: dict[int, deque] = {}  # fragment → the last (version, hash) published
 
     def maybe_close(self, p: int, final_expected: set[str] | None) -> bool:
         """Close the fragment's open round if it is due. True when a round was closed (or
@@ -166,9 +168,14 @@ class Rounds:
             frames = codec.global_frames(run, p, v, core.snapshot_tensors, merged=pushes,
                                          sha256=core.sent_hash)
         self.sh.pub.publish(frames)
+        sent = self._sent.setdefault(p, deque(maxlen=attest.SENT))
+        if not sent or sent[-1][0] != v:
+            sent.append((v, core.sent_hash))
 
     def attest(self, p: int, core: FragmentSyncer) -> None:
-        """Say over ZeroMQ which value the fragment's snapshot holds now (`broker.attest`):
-        with CURVE, a learner takes a snapshot from Redis only once a syncer said so."""
-        self.sh.pub.publish(attest.frames(self.sh.ctx.keys.run, p, core.version,
-                                          core.sent_hash))
+        """Say over ZeroMQ which values the fragment's snapshots held lately, the current one
+        last (`broker.attest`): with CURVE, a learner takes a snapshot from Redis only once a
+        syncer said so."""
+        sent = [h for h in self._sent.get(p, ()) if h[0] < core.version]
+        self.sh.pub.publish(attest.frames(self.sh.ctx.keys.run, p,
+                                          [*sent, (core.version, core.sent_hash)]))

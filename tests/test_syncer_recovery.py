@@ -557,7 +557,9 @@ def test_a_learner_asking_about_a_push_merged_into_a_version_kept_as_a_delta_get
     r.hset(fk.merged, "L0", raw)  # L0's push of the last round never came
     assert asked.version == 2 and _sent_bases(r, fk, (2,)) == [1]
     ctx = open_run(redis_url, run, wait_s=0)
-    net = types.SimpleNamespace(ctx=ctx, redis_down=False, inbox=None)
+    from broker.attest import Attestations
+    net = types.SimpleNamespace(ctx=ctx, redis_down=False, inbox=None,
+                                attested=Attestations(run, len(ctx.fragments), required=False))
     net.check_value = lambda h, t: LearnerNet.check_value(net, h, t)
     try:
         found = MergedLookup(ctx, "L0", net).lookup(P, (asked.base_version, asked.step))

@@ -8,7 +8,6 @@ import glob
 import io
 import ipaddress
 import logging
-import math
 import os
 import sys
 import threading
@@ -296,9 +295,6 @@ def memory_refusal(role: str, need: int, fix: str,
     return None
 
 
-def fragment_values(ctx: RunContext) -> list[int]:
-    """The values of each of the run's fragments."""
-    return [sum(math.prod(ctx.shapes[n]) for n in names) for names in ctx.fragments]
 
 
 def join_snapshot(r: redis.Redis, fk: FragmentKeys, max_bytes: int,

@@ -29,6 +29,7 @@ from broker.connection import quick
 from broker.errors import BrokerError, Superseded
 from broker.pubsub import CurveClient
 from pipeline.config import POISONS
+from pipeline.fragments import fragment_sizes
 from pipeline.mesh import Placement
 from pipeline.plan import role_bytes
 from pipeline.train import make_step
@@ -39,7 +40,6 @@ from workers.common import (
     add_role_args,
     apply_environment,
     enable_compile_cache,
-    fragment_values,
     memory_refusal,
     open_run,
     process_age_s,
@@ -207,8 +207,9 @@ def main(cfg: LearnerConfig) -> int:
     ctx = open_run(cfg.redis_url, cfg.run, wait_s=cfg.wait_config_s, task=cfg.task,
                    need_code=True)
     marks["run_opened_at_s"] = process_age_s()
-    refused = memory_refusal("learner", role_bytes(ctx.cfg, fragment_values(ctx), "learner"),
-                             "a host with more memory, or a smaller model")
+    refused = memory_refusal(
+        "learner", role_bytes(ctx.cfg, fragment_sizes(ctx.shapes, ctx.fragments), "learner"),
+        "a host with more memory, or a smaller model")
     if refused:
         log.error("%s: %s", cfg.learner_id, refused)
         return 2

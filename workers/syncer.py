@@ -32,12 +32,12 @@ from broker.pubsub import Publisher
 from broker.records import SyncerFinal
 from pipeline import capacity, kernels
 from pipeline.config import to_dict
+from pipeline.fragments import fragment_sizes
 from pipeline.plan import role_bytes
 from workers import heap, native
 from workers.common import (
     RunContext,
     apply_environment,
-    fragment_values,
     memory_refusal,
     open_run,
 )
@@ -264,7 +264,7 @@ def main(cfg: SyncerConfig) -> int:
         log.error("run %r cannot start: %s", cfg.run, refused)
         return 2
     # a syncer may come to serve every fragment it may serve (taking the others' over)
-    sizes = fragment_values(ctx)
+    sizes = fragment_sizes(ctx.shapes, ctx.fragments)
     refused = memory_refusal(
         "syncer", role_bytes(ctx.cfg, [sizes[p] for p in cfg.fragments or range(len(sizes))],
                              "syncer"),

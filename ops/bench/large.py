@@ -33,6 +33,7 @@ from pipeline import config as cfgmod
 from pipeline.fragments import fragment_sizes, partition
 from pipeline.plan import Workload, memory
 from pipeline.task import task_of
+from workers.common import host_memory
 
 SIZE = (1024, 8)        # d_model, layers: 100.9M parameters
 QUICK_SIZE = (128, 2)   # 0.4M: the same path in a minute
@@ -52,20 +53,12 @@ def _cli(*args: str, timeout_s: float = 1800) -> tuple[dict, float]:
     return json.loads(out.stdout.strip().splitlines()[-1]), wall
 
 
-def _available() -> int:
-    """The host's MemAvailable (bytes)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class _Peaks:
     """Every role process's VmHWM, sampled until stopped (a killed process keeps its last)."""
 
     def __init__(self, chaos: ChaosRun):
         self.chaos, self.peaks = chaos, {}
-        self.min_available = _available()  # the host's MemAvailable at its lowest
+        self.min_available = host_memory()[1]  # the host's MemAvailable at its lowest
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -78,7 +71,7 @@ class _Peaks:
                                                     rss_peak(p.pid))
                 except (OSError, RuntimeError):  # it ended meanwhile
                     continue
-            self.min_available = min(self.min_available, _available())
+            self.min_available = min(self.min_available, host_memory()[1])
             time.sleep(0.25)
 
     def stop(self) -> dict[str, int]:
@@ -126,7 +119,7 @@ def bench_large(quick: bool = False, piece_bytes: int | None = None) -> dict:
                          Path(tmp) / "run", "large", standby=True)
         peaks = None
         try:
-            t0, available_before = time.monotonic(), _available()
+            t0, available_before = time.monotonic(), host_memory()[1]
             chaos.start()
             peaks = _Peaks(chaos)
             chaos.supervise([Fault(takeover_at, "takeover", "syncer-0")], duration)
